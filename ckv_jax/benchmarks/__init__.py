@@ -1,0 +1,1 @@
+"""Device benchmarks of ckv-jax kernels with their baselines, timed on the device."""

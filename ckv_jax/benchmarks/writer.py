@@ -1,0 +1,113 @@
+"""Paged-cache writer benchmark: effective bandwidth next to a device copy of the same bytes.
+
+  python -m ckv_jax.benchmarks.writer [--tokens 65536,262144,1048576] [--formats ...] [--json out.json]
+
+Bytes counted per token: kv_c and k_pe read (bf16), the int32 slot read, the record written.
+The ceiling is a contiguous device-to-device copy of that many bytes (read + written), timed
+the same way in the same run.  Each implementation's cache is checked byte for byte against
+the XLA reference before it is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ckv_jax import formats
+from ckv_jax.benchmarks.timing import time_in_place, time_pure
+from pallas_kernels import cache_writer
+
+BLOCK_SIZE = 64
+
+
+def copy_seconds(nbytes: int, repeats: int) -> float:
+    """Per-call time of a contiguous copy of `nbytes` (reads + writes = 2 * nbytes)."""
+    n = nbytes // 4
+    src = jnp.arange(n + repeats * 1024, dtype=jnp.uint32)
+    offsets = [(jnp.int32(i * 1024),) for i in range(repeats)]
+    return time_pure(lambda off: lax.dynamic_slice_in_dim(src, off, n), offsets)
+
+
+def make_inputs(fmt, tokens, repeats, pattern, key):
+    num_slots = -(-tokens // BLOCK_SIZE) * BLOCK_SIZE
+    out = []
+    for i in range(repeats):
+        k1, k2, k3, key = jax.random.split(key, 4)
+        kv_c = (jax.random.normal(k1, (tokens, fmt.nope_dim), jnp.float32) * 3).astype(jnp.bfloat16)
+        k_pe = jax.random.normal(k2, (tokens, fmt.rope_dim), jnp.float32).astype(jnp.bfloat16)
+        if pattern == "random":
+            slots = jax.random.permutation(k3, num_slots)[:tokens].astype(jnp.int32)
+        else:
+            slots = ((jnp.arange(tokens, dtype=jnp.int32) + i * BLOCK_SIZE) % num_slots)
+        out.append((kv_c, k_pe, slots))
+    return num_slots // BLOCK_SIZE, out
+
+
+def run(tokens_list, names, patterns, repeats=5, log=print):
+    device = jax.devices()[0]
+    results = []
+    for tokens in tokens_list:
+        for name in names:
+            fmt = formats.get(name)
+            moved = tokens * (2 * fmt.nope_dim + 2 * fmt.rope_dim + 4 + fmt.record_bytes)
+            ceiling = copy_seconds(moved // 2, repeats)
+            for pattern in patterns:
+                num_blocks, inputs = make_inputs(fmt, tokens, repeats, pattern, jax.random.key(tokens))
+                reference = None
+                for impl in cache_writer.DEFAULT_ORDER:
+                    ok, why = cache_writer.IMPLEMENTATIONS[impl].supported_on(
+                        device, num_blocks * BLOCK_SIZE * fmt.record_bytes)
+                    if not ok:
+                        log(f"  skip {impl}: {why}")
+                        continue
+                    run_impl = cache_writer.IMPLEMENTATIONS[impl].run
+
+                    def op(cache, kv_c, k_pe, slots, run_impl=run_impl):
+                        return run_impl(cache, kv_c, k_pe, slots, layout=fmt.layout)
+
+                    cache = jnp.zeros((num_blocks, BLOCK_SIZE, fmt.record_bytes), jnp.uint8)
+                    checked = np.asarray(jax.jit(op)(cache, *inputs[0]))
+                    if reference is None:
+                        reference = np.asarray(cache_writer.write_records_reference(
+                            jnp.zeros_like(cache), *inputs[0], layout=fmt.layout))
+                    exact = bool(np.array_equal(checked, reference))
+                    seconds, _ = time_in_place(op, cache, inputs)
+                    row = dict(op="write_records", format=name, tokens=tokens, pattern=pattern,
+                               implementation=impl, us=seconds * 1e6, bytes_moved=moved,
+                               gbps=moved / seconds / 1e9, ceiling_gbps=moved / ceiling / 1e9,
+                               pct_of_copy=100 * ceiling / seconds, exact=exact)
+                    results.append(row)
+                    log(f"  {name:<13} T={tokens:>8} {pattern:<10} {impl:<14} {row['us']:9.1f} us "
+                        f"{row['gbps']:7.0f} GB/s  copy {row['ceiling_gbps']:5.0f} GB/s "
+                        f"({row['pct_of_copy']:4.0f}%)  exact={exact}")
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="65536,262144,1048576")
+    ap.add_argument("--formats", default="fp8_ds_mla,nvfp4_ds_mla,bf16")
+    ap.add_argument("--patterns", default="sequential,random")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    print(f"writer benchmark on {jax.devices()[0].device_kind} (jax {jax.__version__})", flush=True)
+    results = run([int(t) for t in args.tokens.split(",")], args.formats.split(","),
+                  args.patterns.split(","), args.repeats, log=lambda *a: print(*a, flush=True))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, results=results), f, indent=1)
+    print(f"\n{'format':<13} {'tokens':>8} {'slots':<10} {'impl':<14} {'us':>9} {'GB/s':>6} {'copy':>6} {'%copy':>6} exact")
+    for r in results:
+        print(f"{r['format']:<13} {r['tokens']:>8} {r['pattern']:<10} {r['implementation']:<14} {r['us']:9.1f} "
+              f"{r['gbps']:6.0f} {r['ceiling_gbps']:6.0f} {r['pct_of_copy']:5.0f}% {r['exact']}")
+    return 0 if all(r["exact"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""The `ckv-jax` command: `env` and `demo`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="ckv-jax", description="CKV cache records for sparse-MLA models under DCP")
+    ap.add_argument("command", choices=["env", "demo"], help="env: versions, devices, lowering; "
+                    "demo: write and read back records on every device")
+    args, rest = ap.parse_known_args(argv[:1])
+    if args.command == "env":
+        from ckv_jax import env_report
+        if argv[1:]:
+            ap.error(f"env takes no arguments, got {argv[1:]}")
+        return env_report.main()
+    from ckv_jax import demo
+    return demo.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

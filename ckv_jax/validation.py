@@ -1,0 +1,109 @@
+"""Argument checks shared by the public entry points.
+
+Two tiers: host checks of shapes and dtypes that cost nothing and always run, and opt-in data
+checks (`validate=True`, or `CKV_JAX_VALIDATE=1` in the environment) that read index values
+back to the host and therefore need concrete (non-traced) arrays.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ENV_VALIDATE = "CKV_JAX_VALIDATE"
+KV_C_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def validation_enabled(validate: bool | None) -> bool:
+    """`validate` if given, else the CKV_JAX_VALIDATE environment variable."""
+    if validate is not None:
+        return bool(validate)
+    raw = os.environ.get(ENV_VALIDATE, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{ENV_VALIDATE}: expected 0/1/true/false, got {raw!r}")
+
+
+def describe(x) -> str:
+    return f"{jnp.dtype(x.dtype).name}{list(jnp.shape(x))}"
+
+
+def _require_array(name: str, x):
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
+
+
+def check_array(name: str, x, dtypes, shape_pattern: str, ndim: int):
+    _require_array(name, x)
+    dtypes = tuple(jnp.dtype(d) for d in dtypes)
+    if jnp.dtype(x.dtype) not in dtypes:
+        want = " or ".join(d.name for d in dtypes)
+        raise TypeError(f"{name}: expected {want}{shape_pattern}, got {describe(x)}")
+    if len(jnp.shape(x)) != ndim:
+        raise ValueError(f"{name}: expected rank {ndim} {shape_pattern}, got {describe(x)}")
+
+
+def check_values(fmt, kv_c, k_pe) -> int:
+    """Checks kv_c [T, nope_dim] and k_pe bf16[T, rope_dim]; returns T."""
+    check_array("kv_c", kv_c, KV_C_DTYPES, f"[T, {fmt.nope_dim}]", 2)
+    check_array("k_pe", k_pe, (jnp.bfloat16,), f"[T, {fmt.rope_dim}]", 2)
+    if kv_c.shape[1] != fmt.nope_dim:
+        raise ValueError(f"kv_c: expected [T, {fmt.nope_dim}] for format {fmt.name}, got {describe(kv_c)}")
+    if k_pe.shape[1] != fmt.rope_dim:
+        raise ValueError(f"k_pe: expected bfloat16[T, {fmt.rope_dim}] for format {fmt.name}, got {describe(k_pe)}")
+    if kv_c.shape[0] != k_pe.shape[0]:
+        raise ValueError(f"k_pe: expected the same T as kv_c ({kv_c.shape[0]}), got {describe(k_pe)}")
+    return kv_c.shape[0]
+
+
+def check_records(fmt, records):
+    check_array("records", records, (jnp.uint8,), f"[T, {fmt.record_bytes}]", 2)
+    if records.shape[1] != fmt.record_bytes:
+        raise ValueError(f"records: expected uint8[T, {fmt.record_bytes}] for format {fmt.name}, "
+                         f"got {describe(records)}")
+
+
+def check_cache(fmt, cache):
+    pattern = f"[num_blocks, block_size, {fmt.record_bytes}]"
+    check_array("cache", cache, (jnp.uint8,), pattern, 3)
+    if cache.shape[2] != fmt.record_bytes:
+        raise ValueError(f"cache: expected uint8{pattern} for format {fmt.name} "
+                         f"({fmt.record_bytes}-byte records), got {describe(cache)}")
+
+
+def check_slot_mapping(slot_mapping, num_tokens: int):
+    _require_array("slot_mapping", slot_mapping)
+    if jnp.dtype(slot_mapping.dtype) != jnp.int32:
+        raise TypeError(f"slot_mapping: expected int32[{num_tokens}], got {describe(slot_mapping)} "
+                        "(convert explicitly after checking the range; int64 is never truncated silently)")
+    if jnp.shape(slot_mapping) != (num_tokens,):
+        raise ValueError(f"slot_mapping: expected int32[{num_tokens}] (one slot per token of kv_c), "
+                         f"got {describe(slot_mapping)}")
+
+
+def concrete(name: str, x) -> np.ndarray:
+    """Host copy of `x` for data checks; a clear error when `x` is traced."""
+    if isinstance(x, jax.core.Tracer):
+        raise ValueError(f"{name}: validation mode reads values back to the host and needs a concrete "
+                         f"array; call outside jax.jit or pass validate=False (or unset {ENV_VALIDATE})")
+    return np.asarray(x)
+
+
+def check_slot_values(slot_mapping, num_slots: int):
+    """Every slot is -1 (skip) or in [0, num_slots), and valid slots are unique."""
+    slots = concrete("slot_mapping", slot_mapping)
+    bad = np.flatnonzero((slots < -1) | (slots >= num_slots))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"slot_mapping: entry {i} is {int(slots[i])}, expected -1 or a slot in "
+                         f"[0, {num_slots}) ({bad.size} bad entries)")
+    valid = slots[slots >= 0]
+    uniq, counts = np.unique(valid, return_counts=True)
+    if (counts > 1).any():
+        dup = int(uniq[np.argmax(counts > 1)])
+        where = np.flatnonzero(slots == dup).tolist()
+        raise ValueError(f"slot_mapping: slot {dup} appears at entries {where}; valid slots must be unique")

@@ -1,0 +1,249 @@
+"""Byte layouts and codecs of native CKV records (one record per token).
+
+A record holds one token's compressed latent ("NoPE", `nope_dim` values) and its RoPE key
+(`rope_dim` bf16 values) in `record_bytes` bytes.  The layout is a list of byte segments; the
+encoder returns one uint8 array per segment, so that a kernel can store each segment with a
+single power-of-two-wide store and the XLA reference can concatenate them.
+
+Every function here is written with operations that Pallas Triton can lower (no value slicing,
+no gathers, power-of-two shapes per segment), so kernels and the XLA reference share one
+definition of the bytes.
+
+Encodings (`RecordLayout.kind`):
+
+* ``fp8_tiles`` (``fp8_ds_mla``, 656 B for 512 + 64):
+  ``[0, nope)`` e4m3fn NoPE, ``[nope, nope + 4 * nope/128)`` float32 tile scales (tile t covers
+  elements ``128t .. 128t+127``), then ``rope_dim`` bf16 RoPE bit-copied.
+  ``scale_t = max(amax_t / 448, FLT_MIN)``; ``q = e4m3fn(x / scale_t)`` (IEEE division,
+  round-to-nearest-even, saturated to +-448).
+* ``nvfp4_groups`` (``nvfp4_ds_mla``, 432 B): ``[0, nope/2)`` packed e2m1 (element 2k in the
+  low nibble of byte k, 2k+1 in the high nibble), ``nope/16`` e4m3fn group scales
+  ``e4m3(amax_g / 6)``, ``pad_bytes`` zeros, then bf16 RoPE.  Elements are
+  ``e2m1(x * (1 / float(scale_g)))`` (round-to-nearest-even, saturated to +-6).
+* ``bf16`` (1152 B): ``nope + rope`` bf16 values, little-endian.
+
+Special values (the same on every backend):
+
+* NaN inputs are ignored by the scale's amax (as CUDA ``fmaxf`` does).  In fp8 a NaN element
+  encodes as the canonical e4m3fn NaN byte 0x7F; in nvfp4, which has no NaN, as +6 (nibble 0x7).
+* +-Inf in a tile makes its scale Inf (fp8) or 448 (nvfp4, saturated); finite elements of that
+  tile then encode as (signed) zero, the Inf element as NaN (fp8) or +-6 (nvfp4).
+* An all-zero nvfp4 group (scale byte 0, also when ``amax/6`` underflows e4m3) encodes as zero
+  nibbles: its reciprocal is taken as 0, not Inf.
+* float32 subnormal NoPE inputs follow the backend's arithmetic: XLA on CPU treats them as
+  signed zeros (denormals-are-zero); GPU kernels and XLA on GPU keep them.  RoPE is bit-copied.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Literal
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+Divide = Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray]
+
+FP8_MAX = 448.0          # largest finite float8_e4m3fn
+FP8_NAN_BYTE = 0x7F      # canonical float8_e4m3fn NaN
+E2M1_MAX = 6.0           # largest float4_e2m1fn
+FLT_MIN = float(np.finfo(np.float32).tiny)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One contiguous byte range of a record: bytes ``[offset, offset + width)``."""
+    name: str
+    offset: int
+    width: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordLayout:
+    """Byte layout of one record kind.  ``quant_block`` is the tile (fp8) or group (nvfp4) size."""
+    kind: Literal["fp8_tiles", "nvfp4_groups", "bf16"]
+    nope_dim: int = 512
+    rope_dim: int = 64
+    quant_block: int = 0
+    pad_bytes: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ("fp8_tiles", "nvfp4_groups", "bf16"):
+            raise ValueError(f"kind: expected 'fp8_tiles', 'nvfp4_groups' or 'bf16', got {self.kind!r}")
+        if self.kind != "bf16" and (self.quant_block <= 0 or self.nope_dim % self.quant_block):
+            raise ValueError(f"quant_block: expected a positive divisor of nope_dim={self.nope_dim}, "
+                             f"got {self.quant_block}")
+        if self.kind == "nvfp4_groups" and self.nope_dim % 2:
+            raise ValueError(f"nope_dim: nvfp4 packs two elements per byte, got odd {self.nope_dim}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.nope_dim // self.quant_block if self.quant_block else 0
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        rope_bytes = 2 * self.rope_dim
+        if self.kind == "fp8_tiles":
+            widths = [("nope_e4m3", self.nope_dim), ("tile_scales_f32", 4 * self.num_blocks),
+                      ("rope_bf16", rope_bytes)]
+        elif self.kind == "nvfp4_groups":
+            widths = [("nope_e2m1", self.nope_dim // 2), ("group_scales_e4m3", self.num_blocks),
+                      ("pad", self.pad_bytes), ("rope_bf16", rope_bytes)]
+        else:
+            widths = [("nope_bf16", 2 * self.nope_dim), ("rope_bf16", rope_bytes)]
+        out, offset = [], 0
+        for name, width in widths:
+            if width:
+                out.append(Segment(name, offset, width))
+                offset += width
+        return tuple(out)
+
+    @property
+    def record_bytes(self) -> int:
+        last = self.segments[-1]
+        return last.offset + last.width
+
+    @property
+    def value_dim(self) -> int:
+        """Values per decoded record: NoPE then RoPE."""
+        return self.nope_dim + self.rope_dim
+
+    def segment(self, name: str) -> Segment:
+        for seg in self.segments:
+            if seg.name == name:
+                return seg
+        raise KeyError(name)
+
+
+# ------------------------------------------------------------------------------------------
+# IEEE division.  XLA rewrites `x / broadcast(s)` and `x / constant` into `x * (1 / s)`, which
+# changes the last bit of about half the quotients; hiding the divisor behind an optimization
+# barrier keeps a true division.  Kernels pass their own `divide` (Triton: `div.rn.f32`).
+# ------------------------------------------------------------------------------------------
+def xla_ieee_divide(x: jnp.ndarray, y) -> jnp.ndarray:
+    """float32 x / y, correctly rounded: the broadcast divisor is hidden behind a barrier."""
+    x, y = jnp.broadcast_arrays(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
+    return x / lax.optimization_barrier(y)
+
+
+# ------------------------------------------------------------------------------------------
+# bit and byte helpers (Triton-lowerable: shifts, masks, reshapes, reductions over iota)
+# ------------------------------------------------------------------------------------------
+def _little_endian_bytes(words: jnp.ndarray, word_bytes: int) -> jnp.ndarray:
+    """uint{8*word_bytes}[T, n] -> uint8[T, n * word_bytes], least significant byte first."""
+    t, n = words.shape
+    shifts = lax.broadcasted_iota(words.dtype, (1, 1, word_bytes), 2) * 8
+    parts = (words[:, :, None] >> shifts) & 0xFF
+    return parts.astype(jnp.uint8).reshape(t, n * word_bytes)
+
+
+def _nan_ignoring_amax(x: jnp.ndarray) -> jnp.ndarray:
+    """max |x| over the last axis; NaN counts as 0 (CUDA fmaxf semantics)."""
+    return jnp.max(jnp.where(jnp.isnan(x), 0.0, jnp.abs(x)), axis=-1)
+
+
+def _saturate(x: jnp.ndarray, bound: float) -> jnp.ndarray:
+    return jnp.minimum(jnp.maximum(x, -bound), bound)
+
+
+def e4m3_bytes(x: jnp.ndarray) -> jnp.ndarray:
+    """float32 -> float8_e4m3fn bytes: round-to-nearest-even, saturated to +-448, NaN -> 0x7F."""
+    q = lax.bitcast_convert_type(_saturate(x, FP8_MAX).astype(jnp.float8_e4m3fn), jnp.uint8)
+    return jnp.where(jnp.isnan(x), jnp.uint8(FP8_NAN_BYTE), q)
+
+
+def e2m1_nibbles(x: jnp.ndarray) -> jnp.ndarray:
+    """float32 -> float4_e2m1fn codes (uint8 0..15): RNE, saturated to +-6, NaN -> +6 (0x7).
+
+    Magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} have codes 0..7; ties go to the even code, so the
+    thresholds alternate between strict (> .25, > 1.25, > 2.5, > 5) and inclusive (>= .75,
+    >= 1.75, >= 3.5).
+    """
+    m = jnp.abs(x)
+    code = ((m > 0.25).astype(jnp.uint8) + (m >= 0.75).astype(jnp.uint8)
+            + (m > 1.25).astype(jnp.uint8) + (m >= 1.75).astype(jnp.uint8)
+            + (m > 2.5).astype(jnp.uint8) + (m >= 3.5).astype(jnp.uint8)
+            + (m > 5.0).astype(jnp.uint8))
+    sign = (lax.bitcast_convert_type(x, jnp.uint32) >> 31).astype(jnp.uint8) << 3
+    return jnp.where(jnp.isnan(x), jnp.uint8(0x7), code | sign)
+
+
+# ------------------------------------------------------------------------------------------
+# encode
+# ------------------------------------------------------------------------------------------
+def encode_segments(layout: RecordLayout, kv_c: jnp.ndarray, k_pe: jnp.ndarray,
+                    divide: Divide = xla_ieee_divide) -> tuple[jnp.ndarray, ...]:
+    """Encode T tokens into the bytes of each segment of `layout`.
+
+    kv_c: bf16|f16|f32[T, nope_dim]; k_pe: bf16[T, rope_dim].
+    Returns one uint8[T, segment.width] per entry of `layout.segments`, in order.
+    """
+    t = kv_c.shape[0]
+    rope = _little_endian_bytes(lax.bitcast_convert_type(k_pe, jnp.uint16), 2)
+    if layout.kind == "bf16":
+        nope = _little_endian_bytes(lax.bitcast_convert_type(kv_c.astype(jnp.bfloat16), jnp.uint16), 2)
+        return nope, rope
+
+    x = kv_c.astype(jnp.float32).reshape(t, layout.num_blocks, layout.quant_block)
+    amax = _nan_ignoring_amax(x)                                      # f32[T, blocks]
+    if layout.kind == "fp8_tiles":
+        scale = jnp.maximum(divide(amax, FP8_MAX), FLT_MIN)             # f32[T, tiles]
+        nope = e4m3_bytes(divide(x, scale[:, :, None])).reshape(t, layout.nope_dim)
+        scales = _little_endian_bytes(lax.bitcast_convert_type(scale, jnp.uint32), 4)
+        return nope, scales, rope
+
+    # nvfp4_groups
+    scale_e4m3 = _saturate(divide(amax, E2M1_MAX), FP8_MAX).astype(jnp.float8_e4m3fn)
+    scale_bytes = lax.bitcast_convert_type(scale_e4m3, jnp.uint8)    # u8[T, groups]
+    scale = scale_e4m3.astype(jnp.float32)
+    inv_scale = jnp.where(scale == 0.0, 0.0, divide(1.0, scale))
+    codes = e2m1_nibbles(x * inv_scale[:, :, None]).reshape(t, layout.nope_dim // 2, 2)
+    nibble_shift = lax.broadcasted_iota(jnp.uint8, (1, 1, 2), 2) * 4
+    packed = jnp.sum(codes << nibble_shift, axis=-1).astype(jnp.uint8)
+    segments = [packed, scale_bytes]
+    if layout.pad_bytes:
+        segments.append(jnp.zeros((t, layout.pad_bytes), jnp.uint8))
+    segments.append(rope)
+    return tuple(segments)
+
+
+def encode(layout: RecordLayout, kv_c: jnp.ndarray, k_pe: jnp.ndarray,
+           divide: Divide = xla_ieee_divide) -> jnp.ndarray:
+    """kv_c: bf16|f16|f32[T, nope_dim], k_pe: bf16[T, rope_dim] -> uint8[T, record_bytes]."""
+    return jnp.concatenate(encode_segments(layout, kv_c, k_pe, divide), axis=-1)
+
+
+# ------------------------------------------------------------------------------------------
+# decode (XLA; slicing allowed)
+# ------------------------------------------------------------------------------------------
+_E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+def _le_words(byts: jnp.ndarray, dtype) -> jnp.ndarray:
+    """uint8[T, n * k] -> dtype[T, n], little-endian, k = itemsize of dtype."""
+    k = jnp.dtype(dtype).itemsize
+    t, n = byts.shape
+    return lax.bitcast_convert_type(byts.reshape(t, n // k, k), dtype)
+
+
+def decode(layout: RecordLayout, records: jnp.ndarray) -> jnp.ndarray:
+    """uint8[T, record_bytes] -> float32[T, nope_dim + rope_dim] (dequantized NoPE ++ RoPE)."""
+    seg = {s.name: records[:, s.offset:s.offset + s.width] for s in layout.segments}
+    rope = _le_words(seg["rope_bf16"], jnp.bfloat16).astype(jnp.float32)
+    t = records.shape[0]
+    if layout.kind == "bf16":
+        nope = _le_words(seg["nope_bf16"], jnp.bfloat16).astype(jnp.float32)
+    elif layout.kind == "fp8_tiles":
+        q = lax.bitcast_convert_type(seg["nope_e4m3"], jnp.float8_e4m3fn).astype(jnp.float32)
+        scale = _le_words(seg["tile_scales_f32"], jnp.float32)
+        nope = (q.reshape(t, layout.num_blocks, layout.quant_block) * scale[:, :, None]
+                ).reshape(t, layout.nope_dim)
+    else:
+        packed = seg["nope_e2m1"]
+        codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(t, layout.nope_dim)
+        mag = jnp.asarray(_E2M1_MAGNITUDES)[(codes & 0x7).astype(jnp.int32)]
+        vals = jnp.where((codes & 0x8) != 0, -mag, mag)
+        scale = lax.bitcast_convert_type(seg["group_scales_e4m3"], jnp.float8_e4m3fn).astype(jnp.float32)
+        nope = (vals.reshape(t, layout.num_blocks, layout.quant_block) * scale[:, :, None]
+                ).reshape(t, layout.nope_dim)
+    return jnp.concatenate([nope, rope], axis=-1)

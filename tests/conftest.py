@@ -1,0 +1,24 @@
+import os
+import sys
+
+# Several CPU devices for the multi-device tests; must precede the first use of a backend.
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a GPU (compiled Pallas kernels)")
+    for item in items:
+        if "gpu" in item.keywords and not ON_GPU:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=["interpret", pytest.param("compiled", marks=pytest.mark.gpu)])
+def kernel_mode(request):
+    """Pallas kernels run interpreted everywhere and compiled on a GPU."""
+    return request.param

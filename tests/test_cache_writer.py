@@ -1,0 +1,227 @@
+"""Paged-cache writer: every implementation against the numpy oracle, in place, masked."""
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ckv_jax
+from ckv_jax import formats
+from helpers import ON_GPU, assert_bytes_equal, oracle_records, random_kv
+from pallas_kernels import cache_writer
+from pallas_kernels.cache_writer import pallas_triton
+
+NAMES = ["fp8_ds_mla", "nvfp4_ds_mla", "bf16"]
+
+
+@pytest.fixture(params=["xla", "pallas_triton:interpret",
+                        pytest.param("pallas_triton:compiled", marks=pytest.mark.gpu)])
+def writer(request):
+    """keyword arguments of write_records selecting one implementation and mode."""
+    name, _, mode = request.param.partition(":")
+    return dict(implementation=name, interpret=mode == "interpret")
+
+
+def _triton(kernel_mode):
+    return dict(implementation="pallas_triton", interpret=kernel_mode == "interpret")
+
+
+def _expected_cache(poison, slots, records):
+    num_slots = poison.shape[0] * poison.shape[1]
+    want = poison.reshape(num_slots, -1).copy()
+    for t, s in enumerate(slots):
+        if 0 <= s < num_slots:
+            want[s] = records[t]
+    return want.reshape(poison.shape)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("tokens, kv_dtype", [(37, ml_dtypes.bfloat16), (1, ml_dtypes.bfloat16),
+                                              (16, np.float32), (21, np.float16)])
+def test_writer_matches_oracle(writer, name, tokens, kv_dtype):
+    fmt = formats.get(name)
+    rng = np.random.default_rng(tokens * 7 + len(name))
+    num_blocks, block_size = 5, 16
+    num_slots = num_blocks * block_size
+    kv_c, k_pe = random_kv(rng, tokens, dtype=kv_dtype)
+    slots = rng.permutation(num_slots)[:tokens].astype(np.int32)
+    if tokens > 4:          # skipped tokens and out-of-range slots are masked, never written
+        slots[1::5] = -1
+        slots[2] = num_slots
+        slots[3] = np.iinfo(np.int32).max
+        slots[4] = -7
+    poison = rng.integers(0, 256, (num_blocks, block_size, fmt.record_bytes), dtype=np.uint8)
+    out = ckv_jax.write_records(jnp.asarray(poison), jnp.asarray(kv_c), jnp.asarray(k_pe),
+                                jnp.asarray(slots), name, **writer)
+    assert out.shape == poison.shape and out.dtype == jnp.uint8
+    assert_bytes_equal(out, _expected_cache(poison, slots, oracle_records(name, kv_c, k_pe)), "cache")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_writer_edge_values_match_oracle(name, kernel_mode):
+    """NaN/Inf/subnormal/extreme latents through the Pallas kernel, as in test_formats."""
+    from test_formats import _edge_case_kv
+    kv_c, k_pe = _edge_case_kv()
+    fmt = formats.get(name)
+    poison = np.random.default_rng(1).integers(0, 256, (2, 8, fmt.record_bytes), dtype=np.uint8)
+    slots = np.arange(15, 3, -1, dtype=np.int32)
+    out = ckv_jax.write_records(jnp.asarray(poison), jnp.asarray(kv_c), jnp.asarray(k_pe),
+                                jnp.asarray(slots), name, **_triton(kernel_mode))
+    # interpret mode is HLO on this backend: it flushes subnormals exactly when XLA does
+    flush = not ON_GPU
+    assert_bytes_equal(out, _expected_cache(poison, slots, oracle_records(name, kv_c, k_pe, flush=flush)), "cache")
+
+
+def test_writer_with_zero_tokens_returns_cache_unchanged(writer):
+    fmt = formats.get("fp8_ds_mla")
+    poison = np.random.default_rng(2).integers(0, 256, (2, 4, fmt.record_bytes), dtype=np.uint8)
+    out = ckv_jax.write_records(jnp.asarray(poison), jnp.zeros((0, 512), jnp.bfloat16),
+                                jnp.zeros((0, 64), jnp.bfloat16), jnp.zeros((0,), jnp.int32),
+                                fmt, **writer)
+    assert_bytes_equal(out, poison)
+
+
+def _full_cache_copies(hlo_text, num_elements):
+    """HLO instructions whose opcode is copy and whose uint8 result has >= num_elements."""
+    found = []
+    for m in re.finditer(r"=\s*u8\[([0-9,]+)\]\S*\s+copy(?:-start)?\(", hlo_text):
+        if int(np.prod([int(d) for d in m.group(1).split(",")])) >= num_elements:
+            found.append(m.group(0))
+    return found
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_writer_updates_in_place(writer, name):
+    fmt = formats.get(name)
+    cache = jnp.zeros((64, 16, fmt.record_bytes), jnp.uint8)
+    kv_c, k_pe = random_kv(np.random.default_rng(0), 40)
+    slots = jnp.arange(40, dtype=jnp.int32) * 3
+    impl = cache_writer.choose(writer["implementation"], jax.devices()[0], cache.size,
+                               interpret=writer["interpret"])
+
+    def write(c, a, b, s):
+        return impl.run(c, a, b, s, layout=fmt.layout, interpret=writer["interpret"])
+
+    compiled = jax.jit(write, donate_argnums=0).lower(cache, kv_c, k_pe, slots).compile()
+    hlo = compiled.as_text()
+    assert _full_cache_copies(hlo, cache.size) == []
+    assert re.search(r"u8\[\d+(,\d+)*\]", hlo), "the check above must see the uint8 buffers"
+    # and the donated input buffer is really consumed
+    out = compiled(cache, kv_c, k_pe, slots)
+    assert cache.is_deleted() and out.shape == (64, 16, fmt.record_bytes)
+
+
+def test_full_cache_copy_detector_sees_copies():
+    """The in-place check must be able to fail: without donation XLA copies the cache."""
+    cache = jnp.zeros((64, 16, 656), jnp.uint8)
+    hlo = jax.jit(lambda c: c.at[3].set(1)).lower(cache).compile().as_text()
+    assert _full_cache_copies(hlo, cache.size)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("config", [pallas_triton.WriterConfig(), pallas_triton.WriterConfig(32, 8),
+                                    pallas_triton.WriterConfig(4, 1)])
+def test_writer_lowers_for_cuda(name, config):
+    fmt = formats.get(name)
+    sds = jax.ShapeDtypeStruct
+    f = jax.jit(lambda c, a, b, s: pallas_triton.write_records_triton(c, a, b, s, layout=fmt.layout, config=config))
+    text = f.trace(sds((4096, 64, fmt.record_bytes), jnp.uint8), sds((3000, 512), jnp.bfloat16),
+                   sds((3000, 64), jnp.bfloat16), sds((3000,), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call") == 1
+    assert f"ckv_write_records_{fmt.layout.kind}" in text
+    assert "output_operand_aliases" in text, "the cache must be aliased in place"
+
+
+def test_automatic_choice():
+    dev = jax.devices()[0]
+    auto = cache_writer.choose(None, dev, 10_000)
+    assert auto.name == ("pallas_triton" if ON_GPU else "xla")
+    assert cache_writer.choose(["pallas_triton", "xla"], dev, 10_000).name == auto.name
+    assert cache_writer.choose("xla", dev, 10_000).name == "xla"
+    if not ON_GPU:
+        with pytest.raises(ValueError, match="pallas_triton: needs a GPU"):
+            cache_writer.choose("pallas_triton", dev, 10_000)
+    with pytest.raises(ValueError, match=r"implementation: expected one of \['pallas_triton', 'xla'\]"):
+        cache_writer.choose("cuda", dev, 10_000)
+
+
+def test_triton_is_not_chosen_where_its_int32_offsets_wrap():
+    assert pallas_triton.supported_cache_bytes(2 ** 31 - 1)
+    assert not pallas_triton.supported_cache_bytes(2 ** 31)
+    assert not pallas_triton.supported_cache_bytes(3 * 2 ** 30)
+    assert not pallas_triton.supported_cache_bytes(2 ** 32)
+    assert pallas_triton.supported_cache_bytes(2 ** 32 + 1)
+
+
+@pytest.mark.parametrize("field, value", [("tokens_per_block", 12), ("num_warps", 0)])
+def test_writer_config_rejects_non_powers_of_two(field, value):
+    with pytest.raises(ValueError, match=field):
+        pallas_triton.WriterConfig(**{field: value})
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------------------------
+def _good(tokens=4):
+    kv_c, k_pe = random_kv(np.random.default_rng(0), tokens)
+    return dict(cache=jnp.zeros((2, 4, 656), jnp.uint8), kv_c=jnp.asarray(kv_c), k_pe=jnp.asarray(k_pe),
+                slot_mapping=jnp.arange(tokens, dtype=jnp.int32), format="fp8_ds_mla")
+
+
+@pytest.mark.parametrize("change, err, match", [
+    (dict(cache=jnp.zeros((2, 4, 656), jnp.int8)), TypeError, r"cache: expected uint8\[num_blocks, block_size, 656\], got int8"),
+    (dict(cache=jnp.zeros((8, 656), jnp.uint8)), ValueError, r"cache: expected rank 3"),
+    (dict(cache=jnp.zeros((2, 4, 432), jnp.uint8)), ValueError, r"cache: expected uint8\[num_blocks, block_size, 656\] for format fp8_ds_mla \(656-byte records\), got uint8\[2, 4, 432\]"),
+    (dict(kv_c=jnp.zeros((4, 512), jnp.int8)), TypeError, r"kv_c: expected"),
+    (dict(kv_c=jnp.zeros((5, 512), jnp.bfloat16)), ValueError, r"k_pe: expected the same T as kv_c \(5\)"),
+    (dict(slot_mapping=jnp.arange(3, dtype=jnp.int32)), ValueError, r"slot_mapping: expected int32\[4\]"),
+    (dict(slot_mapping=np.arange(4, dtype=np.int64)), TypeError, r"slot_mapping: expected int32\[4\], got int64\[4\]"),
+    (dict(slot_mapping=jnp.arange(4, dtype=jnp.float32)), TypeError, r"slot_mapping: expected int32"),
+    (dict(format="fp4"), ValueError, r"format: unknown record format 'fp4'"),
+])
+def test_writer_rejects_bad_input(change, err, match):
+    args = {**_good(), **change}
+    with pytest.raises(err, match=match):
+        ckv_jax.write_records(**args)
+
+
+@pytest.mark.parametrize("slots, match", [
+    ([0, 1, 8, 2], r"slot_mapping: entry 2 is 8, expected -1 or a slot in \[0, 8\)"),
+    ([0, -2, 1, 2], r"slot_mapping: entry 1 is -2"),
+    ([0, 5, 1, 5], r"slot_mapping: slot 5 appears at entries \[1, 3\]"),
+])
+def test_validation_mode_reports_bad_slots(slots, match, monkeypatch):
+    args = {**_good(), "slot_mapping": jnp.asarray(slots, jnp.int32)}
+    with pytest.raises(ValueError, match=match):
+        ckv_jax.write_records(**args, validate=True)
+    monkeypatch.setenv("CKV_JAX_VALIDATE", "1")
+    with pytest.raises(ValueError, match=match):
+        ckv_jax.write_records(**{**args, "cache": jnp.zeros((2, 4, 656), jnp.uint8)})
+
+
+def test_validation_off_masks_out_of_range_slots(monkeypatch):
+    monkeypatch.delenv("CKV_JAX_VALIDATE", raising=False)
+    args = {**_good(), "slot_mapping": jnp.asarray([0, 8, 1000, 3], jnp.int32)}
+    out = np.asarray(ckv_jax.write_records(**args))
+    assert out.reshape(8, 656)[[1, 2, 4, 5, 6, 7]].max() == 0
+    assert out.reshape(8, 656)[[0, 3]].max() > 0
+
+
+def test_validation_mode_needs_concrete_slots():
+    args = _good()
+
+    @jax.jit
+    def inside(cache, kv_c, k_pe, slot_mapping):
+        return ckv_jax.write_records(cache, kv_c, k_pe, slot_mapping, "fp8_ds_mla", validate=True)
+
+    with pytest.raises(ValueError, match="validation mode reads values back to the host"):
+        inside(args["cache"], args["kv_c"], args["k_pe"], args["slot_mapping"])
+
+
+def test_validation_env_value_must_be_boolean(monkeypatch):
+    monkeypatch.setenv("CKV_JAX_VALIDATE", "sometimes")
+    with pytest.raises(ValueError, match="CKV_JAX_VALIDATE: expected 0/1/true/false, got 'sometimes'"):
+        ckv_jax.write_records(**_good())
