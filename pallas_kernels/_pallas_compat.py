@@ -46,9 +46,9 @@ def triton_ieee_divide(x, y):
     x, y = jnp.broadcast_arrays(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
     (q,) = pltriton.elementwise_inline_asm(
         _DIV_RN_F32_ASM,
-        args=[lax.bitcast_convert_type(x, jnp.uint32), lax.bitcast_convert_type(y, jnp.uint32)],
-        constraints="=r,r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.uint32)])
+        args=[lax.bitcast_convert_type(x, jnp.int32), lax.bitcast_convert_type(y, jnp.int32)],
+        constraints="=r,r,r", pack=1,     # int32, not uint32: Triton asm takes signless integers
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.int32)])
     return lax.bitcast_convert_type(q, jnp.float32)
 
 

@@ -30,8 +30,10 @@ Special values (the same on every backend):
   tile then encode as (signed) zero, the Inf element as NaN (fp8) or +-6 (nvfp4).
 * An all-zero nvfp4 group (scale byte 0, also when ``amax/6`` underflows e4m3) encodes as zero
   nibbles: its reciprocal is taken as 0, not Inf.
-* float32 subnormal NoPE inputs follow the backend's arithmetic: XLA on CPU treats them as
-  signed zeros (denormals-are-zero); GPU kernels and XLA on GPU keep them.  RoPE is bit-copied.
+* float32 subnormal NoPE inputs are kept: the divisions are exact on every backend (see
+  `xla_ieee_divide`), and where XLA on CPU flushes a subnormal elsewhere (in amax, or in the
+  nvfp4 product) the encoded bytes are the same either way.  RoPE is bit-copied.
+* `decode` multiplies in float32 on the backend: XLA on CPU flushes subnormal products to zero.
 """
 from __future__ import annotations
 
@@ -116,14 +118,64 @@ class RecordLayout:
 
 
 # ------------------------------------------------------------------------------------------
-# IEEE division.  XLA rewrites `x / broadcast(s)` and `x / constant` into `x * (1 / s)`, which
-# changes the last bit of about half the quotients; hiding the divisor behind an optimization
-# barrier keeps a true division.  Kernels pass their own `divide` (Triton: `div.rn.f32`).
+# IEEE division.  A float `/` is not portable here: XLA rewrites `x / broadcast(s)` and
+# `x / constant` into `x * (1 / s)`, XLA on GPU emits an approximate division, and XLA on CPU
+# flushes subnormal operands.  Each changes the last bit of some quotients, and with it the
+# stored scales and quantized bytes.  `xla_ieee_divide` therefore divides the significands with
+# integer long division, which every backend executes exactly.  Compiled Triton kernels pass
+# their own `divide` (the `div.rn.f32` instruction).
 # ------------------------------------------------------------------------------------------
-def xla_ieee_divide(x: jnp.ndarray, y) -> jnp.ndarray:
-    """float32 x / y, correctly rounded: the broadcast divisor is hidden behind a barrier."""
+_QUOTIENT_BITS = 26       # 24 significand bits, a guard bit, and one more for quotients < 1
+
+
+def _unpack_f32(bits: jnp.ndarray):
+    """uint32 bits of finite non-zero floats -> (significand in [2**23, 2**24), unbiased exponent)."""
+    exp_field = ((bits >> 23) & 0xFF).astype(jnp.int32)
+    frac = bits & 0x7FFFFF
+    # subnormals: shift the leading one up to bit 23
+    shift = jnp.where(exp_field == 0, lax.clz(frac.astype(jnp.int32) | 1) - 8, 0)
+    sig = jnp.where(exp_field == 0, frac << shift.astype(jnp.uint32), frac | 0x800000)
+    exp = jnp.where(exp_field == 0, -126 - shift, exp_field - 127)
+    return sig, exp
+
+
+def xla_ieee_divide(x, y) -> jnp.ndarray:
+    """float32 x / y, correctly rounded (round-to-nearest-even, subnormals kept) on every backend."""
     x, y = jnp.broadcast_arrays(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
-    return x / lax.optimization_barrier(y)
+    xb, yb = lax.bitcast_convert_type(x, jnp.uint32), lax.bitcast_convert_type(y, jnp.uint32)
+    sign = (xb ^ yb) & jnp.uint32(0x80000000)
+    x_sig, x_exp = _unpack_f32(xb)
+    y_sig, y_exp = _unpack_f32(yb)
+
+    quotient = jnp.zeros_like(xb)
+    rem = x_sig
+    for _ in range(_QUOTIENT_BITS):              # restoring long division, one bit per step
+        bit = rem >= y_sig
+        quotient = (quotient << 1) | bit.astype(jnp.uint32)
+        rem = jnp.where(bit, rem - y_sig, rem) << 1
+    at_least_one = quotient >= (1 << (_QUOTIENT_BITS - 1))
+    exp = x_exp - y_exp - jnp.where(at_least_one, 0, 1)
+    # bits of the quotient below the 24-bit significand, plus those a subnormal result loses
+    drop = jnp.where(at_least_one, 2, 1) + jnp.clip(-126 - exp, 0, _QUOTIENT_BITS)
+    drop = drop.astype(jnp.uint32)
+    kept = quotient >> drop
+    guard = (quotient >> (drop - 1)) & 1
+    sticky = ((quotient & ((jnp.uint32(1) << (drop - 1)) - 1)) != 0) | (rem != 0)
+    round_up = (guard == 1) & (sticky | ((kept & 1) == 1))
+    mag = kept + round_up.astype(jnp.uint32)      # a carry moves into the exponent field
+    normal_bits = ((exp + 126).astype(jnp.uint32) << 23) + mag
+    mag = jnp.where(exp < -126, mag, normal_bits)
+    mag = jnp.where(exp > 127, jnp.uint32(0x7F800000), mag)
+
+    x_abs, y_abs = xb & jnp.uint32(0x7FFFFFFF), yb & jnp.uint32(0x7FFFFFFF)
+    x_nan, y_nan = x_abs > 0x7F800000, y_abs > 0x7F800000
+    x_inf, y_inf = x_abs == 0x7F800000, y_abs == 0x7F800000
+    x_zero, y_zero = x_abs == 0, y_abs == 0
+    mag = jnp.where(x_zero | y_inf, jnp.uint32(0), mag)
+    mag = jnp.where(x_inf | y_zero, jnp.uint32(0x7F800000), mag)
+    nan = x_nan | y_nan | (x_zero & y_zero) | (x_inf & y_inf)
+    out = jnp.where(nan, jnp.uint32(0x7FC00000), mag | sign)
+    return lax.bitcast_convert_type(out, jnp.float32)
 
 
 # ------------------------------------------------------------------------------------------
@@ -142,14 +194,40 @@ def _nan_ignoring_amax(x: jnp.ndarray) -> jnp.ndarray:
     return jnp.max(jnp.where(jnp.isnan(x), 0.0, jnp.abs(x)), axis=-1)
 
 
-def _saturate(x: jnp.ndarray, bound: float) -> jnp.ndarray:
-    return jnp.minimum(jnp.maximum(x, -bound), bound)
-
-
 def e4m3_bytes(x: jnp.ndarray) -> jnp.ndarray:
-    """float32 -> float8_e4m3fn bytes: round-to-nearest-even, saturated to +-448, NaN -> 0x7F."""
-    q = lax.bitcast_convert_type(_saturate(x, FP8_MAX).astype(jnp.float8_e4m3fn), jnp.uint8)
-    return jnp.where(jnp.isnan(x), jnp.uint8(FP8_NAN_BYTE), q)
+    """float32 -> float8_e4m3fn bytes: round-to-nearest-even, saturated to +-448, NaN -> 0x7F.
+
+    Integer arithmetic on the float32 bits, so every backend gives the same bytes (a float
+    convert is not portable: XLA on GPU rounds some values differently from the hardware cvt).
+    """
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    sign = (bits >> 24).astype(jnp.uint8) & 0x80
+    mag = bits & jnp.uint32(0x7FFFFFFF)
+    exp = (mag >> 23).astype(jnp.int32) - 127
+    sig = (mag & 0x7FFFFF) | 0x800000
+    # keep 3 fraction bits of a normal e4m3 (exponent >= -6), fewer for its subnormals
+    shift = jnp.clip(20 + jnp.maximum(-6 - exp, 0), 0, 31).astype(jnp.uint32)
+    q = sig >> shift
+    rem = sig & ((jnp.uint32(1) << shift) - 1)
+    half = jnp.uint32(1) << (shift - 1)
+    q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).astype(jnp.uint32)
+    # normal: exponent field exp + 7 over the 3 fraction bits of q in [8, 16] (a carry to 16
+    # moves into the exponent); subnormal: q counts 2**-9 steps (q == 8 is the smallest normal)
+    normal = ((exp + 6) << 3).astype(jnp.uint32) + q
+    code = jnp.where(exp < -6, q, normal).astype(jnp.uint8)
+    code = jnp.where(mag >= jnp.uint32(0x43E00000), jnp.uint8(0x7E), code)   # |x| >= 448
+    return jnp.where(mag > jnp.uint32(0x7F800000), jnp.uint8(FP8_NAN_BYTE), code | sign)
+
+
+def e4m3_values(byts: jnp.ndarray) -> jnp.ndarray:
+    """float8_e4m3fn bytes (finite) -> float32 values, exactly, by integer assembly."""
+    b = byts.astype(jnp.uint32)
+    exp_field = (b >> 3) & 0xF
+    frac = b & 0x7
+    normal = lax.bitcast_convert_type(((exp_field + 120) << 23) | (frac << 20), jnp.float32)
+    subnormal = frac.astype(jnp.float32) * (2.0 ** -9)
+    mag = jnp.where(exp_field == 0, subnormal, normal)
+    return jnp.where((b & 0x80) != 0, -mag, mag)
 
 
 def e2m1_nibbles(x: jnp.ndarray) -> jnp.ndarray:
@@ -193,9 +271,8 @@ def encode_segments(layout: RecordLayout, kv_c: jnp.ndarray, k_pe: jnp.ndarray,
         return nope, scales, rope
 
     # nvfp4_groups
-    scale_e4m3 = _saturate(divide(amax, E2M1_MAX), FP8_MAX).astype(jnp.float8_e4m3fn)
-    scale_bytes = lax.bitcast_convert_type(scale_e4m3, jnp.uint8)    # u8[T, groups]
-    scale = scale_e4m3.astype(jnp.float32)
+    scale_bytes = e4m3_bytes(divide(amax, E2M1_MAX))                 # u8[T, groups], finite
+    scale = e4m3_values(scale_bytes)
     inv_scale = jnp.where(scale == 0.0, 0.0, divide(1.0, scale))
     codes = e2m1_nibbles(x * inv_scale[:, :, None]).reshape(t, layout.nope_dim // 2, 2)
     nibble_shift = lax.broadcasted_iota(jnp.uint8, (1, 1, 2), 2) * 4

@@ -7,7 +7,7 @@ import pytest
 
 import oracle
 from ckv_jax import formats
-from helpers import FLUSHES_SUBNORMALS, ON_GPU, assert_bytes_equal, oracle_records, random_kv
+from helpers import FLUSHES_SUBNORMALS, assert_bytes_equal, oracle_records, random_kv
 
 NAMES = ["fp8_ds_mla", "nvfp4_ds_mla", "bf16"]
 
@@ -105,15 +105,36 @@ def test_encode_edge_cases_match_oracle(name):
 
 
 @pytest.mark.parametrize("name", ["fp8_ds_mla", "nvfp4_ds_mla"])
-def test_subnormal_policy_is_what_the_backend_does(name):
-    """XLA on CPU treats f32 subnormal inputs as zero; GPUs keep them.  For fp8 the two oracles
-    differ on this input, so the assertion pins the backend's behaviour; nvfp4's e2m1 steps are
-    too coarse for a subnormal to survive either way."""
+def test_subnormal_inputs_are_kept_on_every_backend(name):
+    """Encoding is IEEE on every backend, XLA on CPU (which flushes subnormal operands of float
+    arithmetic) included.  For fp8 a flushing encoder would give other bytes on this input;
+    nvfp4's e2m1 steps are too coarse for a subnormal to survive either way."""
     kv_c, k_pe = _edge_case_kv()
     got = np.asarray(formats.get(name).encode(jnp.asarray(kv_c), jnp.asarray(k_pe)))
-    flushed, ieee = oracle_records(name, kv_c, k_pe, flush=True), oracle_records(name, kv_c, k_pe, flush=False)
+    flushed, ieee = oracle_records(name, kv_c, k_pe, flush=True), oracle_records(name, kv_c, k_pe)
     assert np.array_equal(flushed, ieee) == (name == "nvfp4_ds_mla")
-    assert_bytes_equal(got, flushed if FLUSHES_SUBNORMALS else ieee)
+    assert_bytes_equal(got, ieee)
+
+
+def test_ieee_divide_is_exact_on_random_bit_patterns():
+    """The integer long division against numpy's IEEE division: random bit patterns (subnormals,
+    Inf, NaN, zeros of both signs) and the divisors the encoders use."""
+    from pallas_kernels.record_codec import xla_ieee_divide
+    rng = np.random.default_rng(9)
+    n = 200_000
+    x = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32).view(np.float32).copy()
+    y = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32).view(np.float32).copy()
+    y[: n // 4] = np.float32(448)
+    y[n // 4: n // 2] = np.float32(6)
+    x[n // 2: n // 2 + 1000] = np.float32(1)
+    y[-1000:] = np.float32(np.finfo(np.float32).tiny)
+    x[:8] = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -3e-39, 3.4e38]
+    y[:8] = [0.0, 5.0, np.inf, 2.0, 1.0, 1e-45, 1e-40, 1e-38]
+    got = np.asarray(jax.jit(xla_ieee_divide)(x, y))
+    with np.errstate(all="ignore"):
+        want = x / y
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), f"{(~same).sum()} quotients differ, e.g. {x[~same][:3]} / {y[~same][:3]}"
 
 
 def _roundtrip_bound(name, x):
@@ -173,3 +194,26 @@ def test_encode_rejects_bad_input(bad, err, match):
 def test_decode_rejects_wrong_record_size():
     with pytest.raises(ValueError, match=r"records: expected uint8\[T, 432\] for format nvfp4_ds_mla, got uint8\[2, 656\]"):
         formats.get("nvfp4_ds_mla").decode(jnp.zeros((2, 656), jnp.uint8))
+
+
+def test_e4m3_conversion_is_exact_including_ties_and_subnormals():
+    """The integer float32 -> e4m3fn rounding against ml_dtypes: every e4m3 value, every
+    midpoint between neighbours (ties to even), saturation, NaN, random magnitudes."""
+    from pallas_kernels.record_codec import e4m3_bytes, e4m3_values
+    rng = np.random.default_rng(4)
+    finite = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    finite = np.sort(finite[np.isfinite(finite)])
+    mids = ((finite[1:].astype(np.float64) + finite[:-1]) / 2).astype(np.float32)
+    special = np.array([448, 449, 463.99, 464, 465, 1e9, np.inf, -np.inf, -448.5, -0.0, np.nan, 1e-45],
+                       np.float32)
+    noise = (rng.standard_normal(100_000) * 10.0 ** rng.uniform(-5, 3, 100_000)).astype(np.float32)
+    x = np.concatenate([finite, mids, np.nextafter(mids, np.float32(np.inf)), special, noise])
+    with np.errstate(invalid="ignore"):
+        want = np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    want = np.where(np.isnan(x), 0x7F, want)
+    assert_bytes_equal(jax.jit(e4m3_bytes)(x), want, "e4m3 bytes")
+    codes = np.arange(256, dtype=np.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    back = np.asarray(jax.jit(e4m3_values)(codes))
+    np.testing.assert_array_equal(back.view(np.uint32),
+                                  codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32).view(np.uint32))
