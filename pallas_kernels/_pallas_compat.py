@@ -52,6 +52,14 @@ def triton_ieee_divide(x, y):
     return lax.bitcast_convert_type(q, jnp.float32)
 
 
+def triton_e4m3_bytes(x):
+    """float32 -> e4m3fn bytes with the hardware convert (`cvt.rn.satfinite`): the same bytes as
+    `record_codec.e4m3_bytes`, at a fraction of its integer work."""
+    clipped = jnp.minimum(jnp.maximum(x, -448.0), 448.0)
+    byts = lax.bitcast_convert_type(clipped.astype(jnp.float8_e4m3fn), jnp.uint8)
+    return jnp.where(jnp.isnan(x), jnp.uint8(0x7F), byts)
+
+
 @functools.cache
 def cuda_lowering_available(backend: str) -> tuple[bool, str]:
     """Whether a tiny kernel of `backend` ('triton' or 'mosaic_gpu') lowers for CUDA here."""

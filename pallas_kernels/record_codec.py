@@ -44,7 +44,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-Divide = Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray]
 
 FP8_MAX = 448.0          # largest finite float8_e4m3fn
 FP8_NAN_BYTE = 0x7F      # canonical float8_e4m3fn NaN
@@ -123,7 +122,7 @@ class RecordLayout:
 # flushes subnormal operands.  Each changes the last bit of some quotients, and with it the
 # stored scales and quantized bytes.  `xla_ieee_divide` therefore divides the significands with
 # integer long division, which every backend executes exactly.  Compiled Triton kernels pass
-# their own `divide` (the `div.rn.f32` instruction).
+# their own (`Arithmetic`: the `div.rn.f32` instruction).
 # ------------------------------------------------------------------------------------------
 _QUOTIENT_BITS = 26       # 24 significand bits, a guard bit, and one more for quotients < 1
 
@@ -230,6 +229,21 @@ def e4m3_values(byts: jnp.ndarray) -> jnp.ndarray:
     return jnp.where((b & 0x80) != 0, -mag, mag)
 
 
+@dataclasses.dataclass(frozen=True)
+class Arithmetic:
+    """The two operations whose float implementations differ between backends.
+
+    `divide(x, y)`: correctly rounded float32 division; `to_e4m3(x)`: float32 -> e4m3fn bytes
+    (RNE, saturated, NaN -> 0x7F).  The defaults are exact on every backend; compiled GPU
+    kernels substitute hardware instructions with the same results.
+    """
+    divide: Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray]
+    to_e4m3: Callable[[jnp.ndarray], jnp.ndarray]
+
+
+PORTABLE = Arithmetic(divide=xla_ieee_divide, to_e4m3=e4m3_bytes)
+
+
 def e2m1_nibbles(x: jnp.ndarray) -> jnp.ndarray:
     """float32 -> float4_e2m1fn codes (uint8 0..15): RNE, saturated to +-6, NaN -> +6 (0x7).
 
@@ -250,7 +264,7 @@ def e2m1_nibbles(x: jnp.ndarray) -> jnp.ndarray:
 # encode
 # ------------------------------------------------------------------------------------------
 def encode_segments(layout: RecordLayout, kv_c: jnp.ndarray, k_pe: jnp.ndarray,
-                    divide: Divide = xla_ieee_divide) -> tuple[jnp.ndarray, ...]:
+                    arith: Arithmetic = PORTABLE) -> tuple[jnp.ndarray, ...]:
     """Encode T tokens into the bytes of each segment of `layout`.
 
     kv_c: bf16|f16|f32[T, nope_dim]; k_pe: bf16[T, rope_dim].
@@ -265,15 +279,15 @@ def encode_segments(layout: RecordLayout, kv_c: jnp.ndarray, k_pe: jnp.ndarray,
     x = kv_c.astype(jnp.float32).reshape(t, layout.num_blocks, layout.quant_block)
     amax = _nan_ignoring_amax(x)                                      # f32[T, blocks]
     if layout.kind == "fp8_tiles":
-        scale = jnp.maximum(divide(amax, FP8_MAX), FLT_MIN)             # f32[T, tiles]
-        nope = e4m3_bytes(divide(x, scale[:, :, None])).reshape(t, layout.nope_dim)
+        scale = jnp.maximum(arith.divide(amax, FP8_MAX), FLT_MIN)       # f32[T, tiles]
+        nope = arith.to_e4m3(arith.divide(x, scale[:, :, None])).reshape(t, layout.nope_dim)
         scales = _little_endian_bytes(lax.bitcast_convert_type(scale, jnp.uint32), 4)
         return nope, scales, rope
 
     # nvfp4_groups
-    scale_bytes = e4m3_bytes(divide(amax, E2M1_MAX))                 # u8[T, groups], finite
+    scale_bytes = arith.to_e4m3(arith.divide(amax, E2M1_MAX))       # u8[T, groups], finite
     scale = e4m3_values(scale_bytes)
-    inv_scale = jnp.where(scale == 0.0, 0.0, divide(1.0, scale))
+    inv_scale = jnp.where(scale == 0.0, 0.0, arith.divide(1.0, scale))
     codes = e2m1_nibbles(x * inv_scale[:, :, None]).reshape(t, layout.nope_dim // 2, 2)
     nibble_shift = lax.broadcasted_iota(jnp.uint8, (1, 1, 2), 2) * 4
     packed = jnp.sum(codes << nibble_shift, axis=-1).astype(jnp.uint8)
@@ -285,9 +299,9 @@ def encode_segments(layout: RecordLayout, kv_c: jnp.ndarray, k_pe: jnp.ndarray,
 
 
 def encode(layout: RecordLayout, kv_c: jnp.ndarray, k_pe: jnp.ndarray,
-           divide: Divide = xla_ieee_divide) -> jnp.ndarray:
+           arith: Arithmetic = PORTABLE) -> jnp.ndarray:
     """kv_c: bf16|f16|f32[T, nope_dim], k_pe: bf16[T, rope_dim] -> uint8[T, record_bytes]."""
-    return jnp.concatenate(encode_segments(layout, kv_c, k_pe, divide), axis=-1)
+    return jnp.concatenate(encode_segments(layout, kv_c, k_pe, arith), axis=-1)
 
 
 # ------------------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
   python -m ckv_jax.benchmarks.writer [--tokens 65536,262144,1048576] [--formats ...] [--json out.json]
 
 Bytes counted per token: kv_c and k_pe read (bf16), the int32 slot read, the record written.
-The ceiling is a contiguous device-to-device copy of that many bytes (read + written), timed
-the same way in the same run.  Each implementation's cache is checked byte for byte against
+The ceiling is the faster of two contiguous device-to-device copies of that many bytes (read +
+written) in the same run: XLA (timed like the kernels) and torch `copy_` (CUDA events), when
+torch with CUDA is installed.  Each implementation's cache is checked byte for byte against
 the XLA reference before it is timed.
 """
 from __future__ import annotations
@@ -33,6 +34,33 @@ def copy_seconds(nbytes: int, repeats: int) -> float:
     return time_pure(lambda s, off: lax.dynamic_slice_in_dim(s, off, n), inputs)
 
 
+def torch_copy_seconds(nbytes: int, iters: int = 20) -> float | None:
+    """Per-call time of torch `copy_` of `nbytes` on the GPU (CUDA events), rotating over enough
+    buffers that the working set exceeds L2; None without torch or CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    pairs = max(2, -(-256 * 2 ** 20 // nbytes))
+    bufs = [(torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+             torch.empty(nbytes, dtype=torch.uint8, device="cuda")) for _ in range(pairs)]
+    for src, dst in bufs:
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(iters):
+        dst, src = bufs[i % pairs]
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / iters
+    del bufs
+    torch.cuda.empty_cache()
+    return seconds
+
+
 def make_inputs(fmt, tokens, repeats, pattern, key):
     num_slots = -(-tokens // BLOCK_SIZE) * BLOCK_SIZE
     out = []
@@ -55,7 +83,11 @@ def run(tokens_list, names, patterns, repeats=5, log=print):
         for name in names:
             fmt = formats.get(name)
             moved = tokens * (2 * fmt.nope_dim + 2 * fmt.rope_dim + 4 + fmt.record_bytes)
-            ceiling = copy_seconds(moved // 2, max(repeats, min(21, int(4e9 // moved))))
+            xla_copy = copy_seconds(moved // 2, max(repeats, min(21, int(4e9 // moved))))
+            torch_copy = torch_copy_seconds(moved // 2)
+            ceiling = min(xla_copy, torch_copy or xla_copy)
+            log(f"  copy of {moved / 1e6:.0f} MB (read + write): XLA {moved / xla_copy / 1e9:.0f} GB/s"
+                + (f", torch {moved / torch_copy / 1e9:.0f} GB/s" if torch_copy else ""))
             for pattern in patterns:
                 num_blocks, inputs = make_inputs(fmt, tokens, repeats, pattern, jax.random.key(tokens))
                 reference = None
@@ -80,6 +112,8 @@ def run(tokens_list, names, patterns, repeats=5, log=print):
                     row = dict(op="write_records", format=name, tokens=tokens, pattern=pattern,
                                implementation=impl, us=seconds * 1e6, bytes_moved=moved,
                                gbps=moved / seconds / 1e9, ceiling_gbps=moved / ceiling / 1e9,
+                               xla_copy_gbps=moved / xla_copy / 1e9,
+                               torch_copy_gbps=moved / torch_copy / 1e9 if torch_copy else None,
                                pct_of_copy=100 * ceiling / seconds, exact=exact)
                     results.append(row)
                     log(f"  {name:<13} T={tokens:>8} {pattern:<10} {impl:<14} {row['us']:9.1f} us "

@@ -23,6 +23,10 @@ from pallas_kernels.record_codec import RecordLayout
 _I32_OFFSET_HAZARD = (2 ** 31, 2 ** 32)
 
 
+_TRITON_ARITHMETIC = record_codec.Arithmetic(divide=compat.triton_ieee_divide,
+                                             to_e4m3=compat.triton_e4m3_bytes)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class WriterConfig:
     tokens_per_block: int = 16
@@ -56,8 +60,8 @@ def _writer_kernel(slot_ref, kv_c_ref, k_pe_ref, cache_in_ref, cache_ref, *,
         mask = jnp.broadcast_to(in_range[:, None], (tokens_per_block, ref.shape[1]))
         return compat.pltriton.load(ref.at[tok[:, None], cols], mask=mask, other=0)
 
-    divide = record_codec.xla_ieee_divide if interpret else compat.triton_ieee_divide
-    segments = record_codec.encode_segments(layout, load_rows(kv_c_ref), load_rows(k_pe_ref), divide)
+    segments = record_codec.encode_segments(layout, load_rows(kv_c_ref), load_rows(k_pe_ref),
+                                            record_codec.PORTABLE if interpret else _TRITON_ARITHMETIC)
     rows = jnp.where(valid, slot, num_slots)[:, None]   # masked rows point past the cache
     for seg, data in zip(layout.segments, segments):
         cols = seg.offset + lax.broadcasted_iota(jnp.int32, (1, seg.width), 1)
