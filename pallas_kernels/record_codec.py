@@ -305,36 +305,58 @@ def encode(layout: RecordLayout, kv_c: jnp.ndarray, k_pe: jnp.ndarray,
 
 
 # ------------------------------------------------------------------------------------------
-# decode (XLA; slicing allowed)
+# decode (Triton-lowerable once the record is split into segments)
 # ------------------------------------------------------------------------------------------
-_E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
-
-
 def _le_words(byts: jnp.ndarray, dtype) -> jnp.ndarray:
-    """uint8[T, n * k] -> dtype[T, n], little-endian, k = itemsize of dtype."""
+    """uint8[T, n * k] -> dtype[T, n] little-endian (k = itemsize), by shifts: no value slicing."""
     k = jnp.dtype(dtype).itemsize
+    word = {2: jnp.uint16, 4: jnp.uint32}[k]
     t, n = byts.shape
-    return lax.bitcast_convert_type(byts.reshape(t, n // k, k), dtype)
+    parts = byts.reshape(t, n // k, k).astype(word)
+    shifts = lax.broadcasted_iota(word, (1, 1, k), 2) * 8
+    words = jnp.sum(parts << shifts, axis=-1).astype(word)
+    return lax.bitcast_convert_type(words, dtype)
+
+
+def _e2m1_values(codes: jnp.ndarray) -> jnp.ndarray:
+    """float4_e2m1fn codes (uint8 0..15) -> float32 {0, .5, 1, 1.5, 2, 3, 4, 6} with sign."""
+    c = (codes & 0x7).astype(jnp.float32)
+    mag = jnp.where(c < 4, c * 0.5, jnp.where(c == 7, 6.0, c - 2.0))
+    return jnp.where((codes & 0x8) != 0, -mag, mag)
+
+
+def decode_segments(layout: RecordLayout, segments) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Per-segment bytes (as `encode_segments` returns them) -> (f32[T, nope_dim], bf16[T, rope_dim])."""
+    seg = dict(zip((s.name for s in layout.segments), segments))
+    rope = _le_words(seg["rope_bf16"], jnp.bfloat16)
+    if layout.kind == "bf16":
+        return _le_words(seg["nope_bf16"], jnp.bfloat16).astype(jnp.float32), rope
+    t = rope.shape[0]
+    if layout.kind == "fp8_tiles":
+        q = lax.bitcast_convert_type(seg["nope_e4m3"], jnp.float8_e4m3fn).astype(jnp.float32)
+        scale = _le_words(seg["tile_scales_f32"], jnp.float32)
+    else:
+        packed = seg["nope_e2m1"]
+        nibble_shift = lax.broadcasted_iota(jnp.uint8, (1, 1, 2), 2) * 4
+        codes = ((packed[:, :, None] >> nibble_shift) & 0xF).reshape(t, layout.nope_dim)
+        q = _e2m1_values(codes)
+        scale = lax.bitcast_convert_type(seg["group_scales_e4m3"], jnp.float8_e4m3fn).astype(jnp.float32)
+    nope = (q.reshape(t, layout.num_blocks, layout.quant_block) * scale[:, :, None]).reshape(t, layout.nope_dim)
+    return nope, rope
+
+
+def split_segments(layout: RecordLayout, records: jnp.ndarray) -> tuple[jnp.ndarray, ...]:
+    """uint8[T, record_bytes] -> one uint8[T, width] per segment (XLA slicing)."""
+    return tuple(records[:, s.offset:s.offset + s.width] for s in layout.segments)
 
 
 def decode(layout: RecordLayout, records: jnp.ndarray) -> jnp.ndarray:
     """uint8[T, record_bytes] -> float32[T, nope_dim + rope_dim] (dequantized NoPE ++ RoPE)."""
-    seg = {s.name: records[:, s.offset:s.offset + s.width] for s in layout.segments}
-    rope = _le_words(seg["rope_bf16"], jnp.bfloat16).astype(jnp.float32)
-    t = records.shape[0]
-    if layout.kind == "bf16":
-        nope = _le_words(seg["nope_bf16"], jnp.bfloat16).astype(jnp.float32)
-    elif layout.kind == "fp8_tiles":
-        q = lax.bitcast_convert_type(seg["nope_e4m3"], jnp.float8_e4m3fn).astype(jnp.float32)
-        scale = _le_words(seg["tile_scales_f32"], jnp.float32)
-        nope = (q.reshape(t, layout.num_blocks, layout.quant_block) * scale[:, :, None]
-                ).reshape(t, layout.nope_dim)
-    else:
-        packed = seg["nope_e2m1"]
-        codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(t, layout.nope_dim)
-        mag = jnp.asarray(_E2M1_MAGNITUDES)[(codes & 0x7).astype(jnp.int32)]
-        vals = jnp.where((codes & 0x8) != 0, -mag, mag)
-        scale = lax.bitcast_convert_type(seg["group_scales_e4m3"], jnp.float8_e4m3fn).astype(jnp.float32)
-        nope = (vals.reshape(t, layout.num_blocks, layout.quant_block) * scale[:, :, None]
-                ).reshape(t, layout.nope_dim)
-    return jnp.concatenate([nope, rope], axis=-1)
+    nope, rope = decode_segments(layout, split_segments(layout, records))
+    return jnp.concatenate([nope, rope.astype(jnp.float32)], axis=-1)
+
+
+def dequantize_bf16(layout: RecordLayout, records: jnp.ndarray) -> jnp.ndarray:
+    """uint8[T, record_bytes] -> bfloat16[T, nope_dim + rope_dim]; NoPE rounded once, RoPE bit-exact."""
+    nope, rope = decode_segments(layout, split_segments(layout, records))
+    return jnp.concatenate([nope.astype(jnp.bfloat16), rope], axis=-1)

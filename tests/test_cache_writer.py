@@ -146,12 +146,14 @@ def test_automatic_choice():
         cache_writer.choose("cuda", dev, 10_000)
 
 
+@pytest.mark.gpu
 def test_triton_is_not_chosen_where_its_int32_offsets_wrap():
-    assert pallas_triton.supported_cache_bytes(2 ** 31 - 1)
-    assert not pallas_triton.supported_cache_bytes(2 ** 31)
-    assert not pallas_triton.supported_cache_bytes(3 * 2 ** 30)
-    assert not pallas_triton.supported_cache_bytes(2 ** 32)
-    assert pallas_triton.supported_cache_bytes(2 ** 32 + 1)
+    from pallas_kernels import _registry
+    dev = jax.devices()[0]
+    for nbytes, ok in [(2 ** 31 - 1, True), (2 ** 31, False), (3 * 2 ** 30, False), (2 ** 32, False),
+                       (2 ** 32 + 1, True)]:
+        assert _registry.triton_supported(dev, nbytes)[0] == ok, nbytes
+    assert cache_writer.choose(None, dev, 3 * 2 ** 30).name == "xla"
 
 
 @pytest.mark.parametrize("field, value", [("tokens_per_block", 12), ("num_warps", 0)])

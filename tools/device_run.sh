@@ -9,4 +9,5 @@ step() { echo "=== $1"; shift; timeout "$@" || { echo "!!! exit $?"; status=1; }
 step "env" 120 python -m ckv_jax.cli env 2>&1 | tee "$OUT/env.txt"
 step "GPU test suite (compiled kernels)" 420 python -m pytest tests -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_gpu.txt"
 step "writer benchmark" 420 python -m ckv_jax.benchmarks.writer --json "$OUT/writer.json" 2>&1 | tee "$OUT/writer.txt"
+step "gather benchmark" 300 python -m ckv_jax.benchmarks.gather --json "$OUT/gather.json" 2>&1 | tee "$OUT/gather.txt"
 exit $status

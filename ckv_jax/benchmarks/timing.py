@@ -11,6 +11,8 @@ import time
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 
 def _wall(fn, *args) -> float:
@@ -60,3 +62,38 @@ def time_in_place(op: Callable, state, inputs: Sequence[tuple], trials: int = 5)
         state = jax.block_until_ready(one(state, inputs[0]))
         t_1s.append(time.perf_counter() - start)
     return (statistics.median(t_rs) - statistics.median(t_1s)) / (r - 1), state
+
+
+def copy_seconds(nbytes: int, repeats: int) -> float:
+    """Per-call time of a contiguous copy of `nbytes` (reads + writes = 2 * nbytes)."""
+    n = nbytes // 4
+    src = jax.random.bits(jax.random.key(1), (n + repeats * 1024,), jnp.uint32)
+    inputs = [(src, jnp.int32(i * 1024)) for i in range(repeats)]     # the buffer is an argument
+    return time_pure(lambda s, off: lax.dynamic_slice_in_dim(s, off, n), inputs)
+
+
+def torch_copy_seconds(nbytes: int, iters: int = 20) -> float | None:
+    """Per-call time of torch `copy_` of `nbytes` on the GPU (CUDA events), rotating over enough
+    buffers that the working set exceeds L2; None without torch or CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    pairs = max(2, -(-256 * 2 ** 20 // nbytes))
+    bufs = [(torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+             torch.empty(nbytes, dtype=torch.uint8, device="cuda")) for _ in range(pairs)]
+    for src, dst in bufs:
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(iters):
+        dst, src = bufs[i % pairs]
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / iters
+    del bufs
+    torch.cuda.empty_cache()
+    return seconds

@@ -17,48 +17,12 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ckv_jax import formats
-from ckv_jax.benchmarks.timing import time_in_place, time_pure
+from ckv_jax.benchmarks.timing import copy_seconds, time_in_place, torch_copy_seconds
 from pallas_kernels import cache_writer
 
 BLOCK_SIZE = 64
-
-
-def copy_seconds(nbytes: int, repeats: int) -> float:
-    """Per-call time of a contiguous copy of `nbytes` (reads + writes = 2 * nbytes)."""
-    n = nbytes // 4
-    src = jax.random.bits(jax.random.key(1), (n + repeats * 1024,), jnp.uint32)
-    inputs = [(src, jnp.int32(i * 1024)) for i in range(repeats)]     # the buffer is an argument
-    return time_pure(lambda s, off: lax.dynamic_slice_in_dim(s, off, n), inputs)
-
-
-def torch_copy_seconds(nbytes: int, iters: int = 20) -> float | None:
-    """Per-call time of torch `copy_` of `nbytes` on the GPU (CUDA events), rotating over enough
-    buffers that the working set exceeds L2; None without torch or CUDA."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    pairs = max(2, -(-256 * 2 ** 20 // nbytes))
-    bufs = [(torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
-             torch.empty(nbytes, dtype=torch.uint8, device="cuda")) for _ in range(pairs)]
-    for src, dst in bufs:
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(iters):
-        dst, src = bufs[i % pairs]
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / iters
-    del bufs
-    torch.cuda.empty_cache()
-    return seconds
 
 
 def make_inputs(fmt, tokens, repeats, pattern, key):

@@ -18,11 +18,6 @@ from pallas_kernels import _pallas_compat as compat
 from pallas_kernels import record_codec
 from pallas_kernels.record_codec import RecordLayout
 
-# Pallas Triton computes element offsets in int32 for buffers of at most 2**32 bytes and GEP
-# sign-extends them, so a uint8 buffer of [2**31, 2**32] bytes would be addressed wrongly.
-_I32_OFFSET_HAZARD = (2 ** 31, 2 ** 32)
-
-
 _TRITON_ARITHMETIC = record_codec.Arithmetic(divide=compat.triton_ieee_divide,
                                              to_e4m3=compat.triton_e4m3_bytes)
 
@@ -37,11 +32,6 @@ class WriterConfig:
             v = getattr(self, name)
             if v <= 0 or v & (v - 1):
                 raise ValueError(f"{name}: expected a power of two, got {v}")
-
-
-def supported_cache_bytes(nbytes: int) -> bool:
-    lo, hi = _I32_OFFSET_HAZARD
-    return not (lo <= nbytes <= hi)
 
 
 def _writer_kernel(slot_ref, kv_c_ref, k_pe_ref, cache_in_ref, cache_ref, *,

@@ -1,0 +1,134 @@
+"""Paged CKV gather benchmark: the local pack (raw records) and the dequantizing gather.
+
+  python -m ckv_jax.benchmarks.gather [--tokens 131072,524288] [--formats fp8_ds_mla,nvfp4_ds_mla]
+
+One rank's shard of `tokens` records in 64-token pages scattered over a cache twice that size
+(one request, a random block table per call).  Raw: bytes = 2 * tokens * R; dequant: bytes =
+tokens * (R + 1152).  Baselines in the same run: the XLA reference of the same pack, XLA
+`jnp.take` of whole pages, torch `index_select` of the same pages (CUDA events), and the faster
+of an XLA and a torch contiguous copy of the same byte count.  Each JAX variant is checked
+against the XLA reference before it is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ckv_jax import formats
+from ckv_jax.benchmarks.timing import copy_seconds, time_pure, torch_copy_seconds
+from pallas_kernels import paged_gather
+
+BLOCK = 64
+
+
+def torch_index_select_seconds(cache_np, pages_list, iters=10):
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    nb = cache_np.shape[0]
+    cache = torch.from_numpy(cache_np.reshape(nb, -1)).cuda()
+    pages = [torch.from_numpy(p.astype(np.int64)).cuda() for p in pages_list]
+    outs = [cache.index_select(0, p) for p in pages]          # warm-up and buffers
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(iters):
+        torch.index_select(cache, 0, pages[i % len(pages)], out=outs[i % len(outs)])
+    end.record()
+    end.synchronize()
+    ok = bool(torch.equal(outs[0], cache.index_select(0, pages[0])))
+    seconds = start.elapsed_time(end) / 1e3 / iters
+    del cache, pages, outs
+    torch.cuda.empty_cache()
+    return seconds if ok else None
+
+
+def run(tokens_list, names, repeats=7, log=print):
+    results = []
+    device = jax.devices()[0]
+    for tokens in tokens_list:
+        npages = tokens // BLOCK
+        for name in names:
+            fmt = formats.get(name)
+            rb = fmt.record_bytes
+            nb = 2 * npages
+            rng = np.random.default_rng(tokens)
+            cache_np = rng.integers(0, 256, (nb, BLOCK, rb), dtype=np.uint8)
+            if fmt.quantized:          # finite scales so the dequant check compares numbers
+                kv = rng.standard_normal((BLOCK * 8, 512)).astype(jnp.bfloat16)
+                pe = rng.standard_normal((BLOCK * 8, 64)).astype(jnp.bfloat16)
+                good = np.asarray(fmt.encode(jnp.asarray(kv), jnp.asarray(pe))).reshape(8, BLOCK, rb)
+                cache_np = np.tile(good, (nb // 8 + 1, 1, 1))[:nb]
+            cache = jax.device_put(cache_np, device)
+            pages = [rng.permutation(nb)[:npages].astype(np.int32) for _ in range(repeats)]
+            inputs = [(cache, jnp.asarray(p[None, :]), jnp.asarray([0, tokens], jnp.int32)) for p in pages]
+            raw_bytes = 2 * tokens * rb
+            deq_bytes = tokens * (rb + 2 * fmt.value_dim)
+            ceiling_raw = min(filter(None, [copy_seconds(raw_bytes // 2, repeats), torch_copy_seconds(raw_bytes // 2)]))
+            ceiling_deq = min(filter(None, [copy_seconds(deq_bytes // 2, repeats), torch_copy_seconds(deq_bytes // 2)]))
+            ref_raw = np.asarray(paged_gather.gather_records_reference(*inputs[0], num_rows=tokens))
+            ref_deq = np.asarray(paged_gather.gather_dequant_reference(*inputs[0], num_rows=tokens,
+                                                                        layout=fmt.layout)).view(np.uint16)
+            interp = device.platform != "gpu"       # CPU smoke runs interpret the kernels
+            variants = [
+                ("raw", "pallas_triton", lambda c, b, u: paged_gather.gather_records_triton(
+                    c, b, u, num_rows=tokens, interpret=interp), ref_raw),
+                ("raw", "xla_reference", lambda c, b, u: paged_gather.gather_records_reference(c, b, u, num_rows=tokens), ref_raw),
+                ("raw", "xla_take_pages", lambda c, b, u: jnp.take(c, b[0], axis=0).reshape(tokens, rb), ref_raw),
+                ("dequant", "pallas_triton", lambda c, b, u: paged_gather.gather_dequant_triton(
+                    c, b, u, num_rows=tokens, layout=fmt.layout, interpret=interp), ref_deq),
+                ("dequant", "xla_reference", lambda c, b, u: paged_gather.gather_dequant_reference(
+                    c, b, u, num_rows=tokens, layout=fmt.layout), ref_deq),
+            ]
+            for kind, impl, fn, ref in variants:
+                got = np.asarray(jax.jit(fn)(*inputs[0]))
+                exact = bool(np.array_equal(got.view(ref.dtype), ref))
+                seconds = time_pure(fn, inputs)
+                nbytes, ceiling = (raw_bytes, ceiling_raw) if kind == "raw" else (deq_bytes, ceiling_deq)
+                results.append(dict(op=f"gather_{kind}", format=name, tokens=tokens, implementation=impl,
+                                    us=seconds * 1e6, bytes_moved=nbytes, gbps=nbytes / seconds / 1e9,
+                                    ceiling_gbps=nbytes / ceiling / 1e9, pct_of_copy=100 * ceiling / seconds,
+                                    exact=exact))
+                log(f"  {name:<13} T={tokens:>7} {kind:<8} {impl:<15} {seconds * 1e6:8.1f} us "
+                    f"{nbytes / seconds / 1e9:6.0f} GB/s ({100 * ceiling / seconds:4.0f}% of copy) exact={exact}")
+            t = torch_index_select_seconds(cache_np, pages)
+            if t:
+                results.append(dict(op="gather_raw", format=name, tokens=tokens, implementation="torch_index_select",
+                                    us=t * 1e6, bytes_moved=raw_bytes, gbps=raw_bytes / t / 1e9,
+                                    ceiling_gbps=raw_bytes / ceiling_raw / 1e9, pct_of_copy=100 * ceiling_raw / t,
+                                    exact=True))
+                log(f"  {name:<13} T={tokens:>7} raw      torch_index_sel {t * 1e6:8.1f} us "
+                    f"{raw_bytes / t / 1e9:6.0f} GB/s ({100 * ceiling_raw / t:4.0f}% of copy)")
+            del cache, inputs
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="131072,524288")
+    ap.add_argument("--formats", default="fp8_ds_mla,nvfp4_ds_mla")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    print(f"gather benchmark on {jax.devices()[0].device_kind} (jax {jax.__version__})", flush=True)
+    results = run([int(t) for t in args.tokens.split(",")], args.formats.split(","), args.repeats,
+                  log=lambda *a: print(*a, flush=True))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, results=results), f, indent=1)
+    print(f"\n{'op':<14} {'format':<13} {'tokens':>7} {'impl':<19} {'us':>8} {'GB/s':>6} {'copy':>6} {'%copy':>6} exact")
+    for r in results:
+        print(f"{r['op']:<14} {r['format']:<13} {r['tokens']:>7} {r['implementation']:<19} {r['us']:8.1f} "
+              f"{r['gbps']:6.0f} {r['ceiling_gbps']:6.0f} {r['pct_of_copy']:5.0f}% {r['exact']}")
+    return 0 if all(r["exact"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

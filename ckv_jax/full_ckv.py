@@ -1,0 +1,177 @@
+"""The full-CKV DCP gather: pack each rank's local history, all-gather it rank-major.
+
+Every rank packs its local CKV records of all requests out of its paged cache
+(`pallas_kernels.paged_gather`), zero-pads them to P rows, and one `lax.all_gather` over the
+mesh axis builds the same u8[D * P, R] workspace on every rank: rank o's shard of request r
+at rows `o * P + rank_req_starts[o, r] + local`.  The global top-k is remapped to those rows
+(`remap_topk`) instead of reordering the workspace.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ckv_jax import formats, validation
+from ckv_jax.step_plan import StepPlan
+from pallas_kernels import paged_gather
+
+DCP_AXIS = "dcp"
+
+
+def check_block_table(plan: StepPlan, block_table, num_blocks: int | None = None, validate: bool | None = None):
+    """Host checks: int32[R, max_blocks] with room for every rank's local length; with
+    validation on, every block id a rank will read lies in [0, num_blocks)."""
+    validation.check_array("block_table", block_table, (jnp.int32,), f"[{plan.num_reqs}, max_blocks]", 2)
+    if block_table.shape[0] != plan.num_reqs:
+        raise ValueError(f"block_table: expected int32[{plan.num_reqs}, max_blocks] (one row per request), "
+                         f"got {validation.describe(block_table)}")
+    need = plan.layout.blocks_needed(plan.rank_req_lens.max(axis=0, initial=0))       # [R]
+    if plan.num_reqs and need.max() > block_table.shape[1]:
+        r = int(np.argmax(need))
+        raise ValueError(f"seq_lens: request {r} needs {int(need[r])} blocks per rank but block_table has "
+                         f"{block_table.shape[1]} columns (seq_len {int(plan.seq_lens[r])})")
+    if num_blocks is not None and validation.validation_enabled(validate):
+        table = validation.concrete("block_table", block_table)
+        for r in range(plan.num_reqs):
+            ids = table[r, :need[r]]
+            bad = np.flatnonzero((ids < 0) | (ids >= num_blocks))
+            if bad.size:
+                raise ValueError(f"block_table: request {r} block {int(bad[0])} is {int(ids[bad[0]])}, "
+                                 f"expected a block id in [0, {num_blocks})")
+
+
+def pack_local(cache, block_table, local_cu_seq_lens, *, num_rows: int,
+               implementation: str | Sequence[str] | None = None, interpret: bool = False):
+    """One rank's packed history: u8[num_rows, R] from its cache u8[num_blocks, block_size, R].
+
+    local_cu_seq_lens: i32[R + 1] this rank's cumulative local lengths.
+    """
+    return paged_gather.gather_records(cache, block_table, local_cu_seq_lens, num_rows=num_rows,
+                                       implementation=implementation, interpret=interpret)
+
+
+def gather_workspace_in_shard_map(cache, block_table, rank_local_cu, *, num_rows: int,
+                                  axis_name: str = DCP_AXIS, implementation=None, interpret=False):
+    """Inside a shard_map over `axis_name`: this rank's cache -> the rank-major u8[D * P, R].
+
+    rank_local_cu: i32[D, R + 1] (the plan's local_cu_seq_lens, replicated).
+    """
+    rank = lax.axis_index(axis_name)
+    local = pack_local(cache, block_table, rank_local_cu[rank], num_rows=num_rows,
+                       implementation=implementation, interpret=interpret)
+    return lax.all_gather(local, axis_name, axis=0, tiled=True)
+
+
+def all_gather_ckv(caches, block_table, plan: StepPlan, *, mesh: jax.sharding.Mesh,
+                   format: str | formats.RecordFormat, axis_name: str = DCP_AXIS,
+                   implementation: str | Sequence[str] | None = None, interpret: bool = False,
+                   validate: bool | None = None):
+    """The gathered workspace of one layer on every rank.
+
+    Args:
+      caches: u8[D * num_blocks, block_size, R]: the D per-rank caches stacked along axis 0 and
+        sharded over `axis_name` (rank d holds rows [d * num_blocks, (d + 1) * num_blocks)).
+      block_table: i32[R, max_blocks], shared by all ranks.
+      plan: the step plan (`build_step_plan`); its world size must equal the axis size.
+    Returns:
+      u8[D * P, R], replicated: rank o's shard of request r at rows
+      `o * P + plan.rank_req_starts[o, r] + local`, zeros past each rank's total.
+    """
+    fmt = formats.get(format)
+    d = plan.world_size
+    if axis_name not in mesh.shape:
+        raise ValueError(f"mesh: expected an axis named {axis_name!r}, got axes {tuple(mesh.shape)}")
+    if mesh.shape[axis_name] != d:
+        raise ValueError(f"mesh: axis {axis_name!r} has size {mesh.shape[axis_name]}, expected the plan's "
+                         f"world_size {d}")
+    validation.check_cache(fmt, caches)
+    if caches.shape[0] % d:
+        raise ValueError(f"caches: expected D * num_blocks rows on axis 0 (D={d}), got {validation.describe(caches)}")
+    if caches.shape[1] != plan.layout.block_size:
+        raise ValueError(f"caches: expected block_size {plan.layout.block_size} on axis 1, "
+                         f"got {validation.describe(caches)}")
+    check_block_table(plan, block_table, caches.shape[0] // d, validate)
+    if implementation is not None and not isinstance(implementation, str):
+        implementation = tuple(implementation)          # hashable for jit
+    replicated = NamedSharding(mesh, P())
+    return _all_gather_jit(caches, jax.device_put(jnp.asarray(block_table), replicated),
+                           jax.device_put(jnp.asarray(plan.local_cu_seq_lens), replicated),
+                           mesh=mesh, axis_name=axis_name, num_rows=plan.padded_tokens,
+                           implementation=implementation, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "num_rows", "implementation", "interpret"))
+def _all_gather_jit(caches, block_table, rank_local_cu, *, mesh, axis_name, num_rows, implementation, interpret):
+    body = functools.partial(gather_workspace_in_shard_map, num_rows=num_rows, axis_name=axis_name,
+                             implementation=implementation, interpret=interpret)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(axis_name), P(), P()), out_specs=P(),
+                         check_vma=False)(caches, block_table, rank_local_cu)
+
+
+def workspace_rows(plan: StepPlan, req, pos):
+    """Row of global position `pos` of request `req` in the gathered workspace (numpy or jax)."""
+    layout = plan.layout
+    owner, local = layout.owner(pos), layout.local_index(pos)
+    starts = plan.rank_req_starts
+    if not isinstance(pos, np.ndarray) and not np.isscalar(pos):
+        starts = jnp.asarray(starts)
+    return owner * plan.padded_tokens + starts[owner, req] + local
+
+
+def workspace_to_global_order(workspace, plan: StepPlan):
+    """u8[D * P, R] -> u8[sum(seq_lens), R]: requests in order, each in global token order."""
+    req = np.repeat(np.arange(plan.num_reqs), plan.seq_lens)
+    pos = np.concatenate([np.arange(n) for n in plan.seq_lens]) if plan.num_reqs else np.zeros(0, np.int64)
+    rows = workspace_rows(plan, req, pos.astype(np.int64)).astype(np.int32)
+    return jnp.take(workspace, jnp.asarray(rows), axis=0)
+
+
+def remap_topk(topk, plan: StepPlan):
+    """Global logical top-k -> gathered-workspace rows.
+
+    Args:
+      topk: i32[T, K] positions within each query row's request, -1 padded, identical on all ranks.
+      plan: the step plan (T = plan.num_tokens).
+    Returns:
+      (indices i32[T, K], counts i32[T]): valid rows compacted to the front of each row in
+      their original order, -1 after.  An entry is valid iff 0 <= pos < the row's global causal
+      length `seq_len - q_len + (t - q_start) + 1` and its local index lies inside its owner's
+      local length; so counts never exceed the causal length.
+    """
+    validation.check_array("topk", topk, (jnp.int32,), f"[{plan.num_tokens}, K]", 2)
+    if topk.shape[0] != plan.num_tokens:
+        raise ValueError(f"topk: expected int32[{plan.num_tokens}, K] (one row per query token), "
+                         f"got {validation.describe(topk)}")
+    causal = plan.positions().astype(np.int32) + 1
+    return _remap_jit(topk, jnp.asarray(plan.req_id_per_token), jnp.asarray(causal),
+                      jnp.asarray(plan.rank_req_starts), jnp.asarray(plan.rank_req_lens),
+                      layout=plan.layout, padded=plan.padded_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "padded"))
+def _remap_jit(topk, req_id, causal_len, starts, lens, *, layout, padded):
+    req = req_id[:, None]
+    owner, local = layout.owner(topk), layout.local_index(topk)
+    owner_c = jnp.clip(owner, 0, layout.world_size - 1)
+    valid = (topk >= 0) & (topk < causal_len[:, None]) & (local < lens[owner_c, req])
+    rows = owner_c * padded + starts[owner_c, req] + local
+    # compact: valid entries keep their order at the front of the row
+    dest = jnp.where(valid, jnp.cumsum(valid, axis=1) - 1, topk.shape[1])
+    t_idx = jnp.broadcast_to(jnp.arange(topk.shape[0])[:, None], topk.shape)
+    out = jnp.full_like(topk, -1).at[t_idx, dest].set(rows, mode="drop")
+    return out, valid.sum(axis=1).astype(jnp.int32)
+
+
+def place_caches(per_rank_caches, mesh: jax.sharding.Mesh, axis_name: str = DCP_AXIS):
+    """Stack per-rank caches u8[num_blocks, block_size, R] (one per rank, host or device) into the
+    sharded u8[D * num_blocks, block_size, R] that `all_gather_ckv` takes."""
+    stacked = np.concatenate([np.asarray(c) for c in per_rank_caches], axis=0)
+    # from a callback, so that each process of a multi-process run places only its own shards
+    return jax.make_array_from_callback(stacked.shape, NamedSharding(mesh, P(axis_name)),
+                                        lambda index: stacked[index])

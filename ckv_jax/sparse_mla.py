@@ -1,0 +1,135 @@
+"""Sparse-MLA attention over CKV records: the reference, the stock-DCP path and the full-CKV path.
+
+Semantics per query row t and head h (upstream b12x reference):
+  K_j = decode(records[indices[t, j]])  (nope ++ rope, 576 values);  V_j = K_j[:512]
+  valid_j = j < counts[t] and 0 <= indices[t, j] < num_records
+  s_j = sm_scale * <q[t, h], K_j> in float32, -inf where not valid
+  out[t, h] = sum_j softmax(s)_j V_j  (zero when no j is valid)
+  lse[t, h] = log(sum_j exp(s_j))    natural log, -inf when no j is valid
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ckv_jax import formats
+from ckv_jax.full_ckv import DCP_AXIS
+from ckv_jax.step_plan import StepPlan
+from pallas_kernels import record_codec
+
+
+def _attend_f32(q, records, indices, counts, sm_scale, layout):
+    """-> (out f32[T, H, nope], lse f32[T, H])."""
+    n = records.shape[0]
+    k = indices.shape[1]
+    valid = (jnp.arange(k)[None, :] < counts[:, None]) & (indices >= 0) & (indices < n)
+    rows = jnp.where(valid, indices, 0)
+    kv = record_codec.decode(layout, records[rows.reshape(-1)]).reshape(*rows.shape, layout.value_dim)
+    kv = jnp.where(valid[..., None], kv, 0.0)        # holes may point at garbage (NaN * 0 = NaN)
+    scores = jnp.einsum("thd,tkd->thk", q.astype(jnp.float32), kv,
+                        precision=lax.Precision.HIGHEST) * sm_scale
+    scores = jnp.where(valid[:, None, :], scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(scores - m)
+    denom = jnp.sum(p, axis=-1)
+    out = jnp.einsum("thk,tkd->thd", p, kv[..., :layout.nope_dim], precision=lax.Precision.HIGHEST)
+    out = jnp.where(denom[..., None] > 0, out / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+    lse = jnp.where(denom > 0, jnp.log(jnp.where(denom > 0, denom, 1.0)) + m[..., 0], -jnp.inf)
+    return out, lse
+
+
+@functools.partial(jax.jit, static_argnames=("format",))
+def sparse_mla_reference(q, records, indices, counts, sm_scale, *, format: str):
+    """Sparse MLA over selected records.
+
+    Args:
+      q: bf16[T, H, 576] absorbed query (512 nope ++ 64 rope).
+      records: u8[N, R] records of `format` (a workspace, or a flattened paged cache).
+      indices: i32[T, K] rows of `records`; -1 (or any row outside [0, N)) is a hole.
+      counts: i32[T]: only columns j < counts[t] are considered.
+      sm_scale: softmax scale.
+    Returns:
+      out bf16[T, H, 512], lse f32[T, H] (natural log; -inf and zero output for an empty row).
+    """
+    out, lse = _attend_f32(q, records, indices, counts, sm_scale, formats.get(format).layout)
+    return out.astype(jnp.bfloat16), lse
+
+
+def merge_partials(out, lse, axis_name: str):
+    """LSE merge across ranks of per-rank partials (out f32[T, H, V], lse f32[T, H]).
+
+    lse_g = logsumexp_r lse_r (NaN/+inf partials count as -inf); out = sum_r exp(lse_r - lse_g) out_r.
+    """
+    lse = jnp.where(jnp.isnan(lse) | (lse == jnp.inf), -jnp.inf, lse)
+    all_lse = lax.all_gather(lse, axis_name)                       # [D, T, H]
+    m = jnp.max(all_lse, axis=0)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    total = jnp.sum(jnp.exp(all_lse - m_safe), axis=0)
+    lse_g = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + m_safe, -jnp.inf)
+    weight = jnp.where(jnp.isfinite(lse) & jnp.isfinite(lse_g), jnp.exp(lse - lse_g), 0.0)
+    return lax.psum(weight[..., None] * jnp.where(jnp.isfinite(lse)[..., None], out, 0.0), axis_name), lse_g
+
+
+def full_ckv_attention(q, workspace, indices, counts, sm_scale, *, format: str, mesh,
+                       axis_name: str = DCP_AXIS):
+    """Full-CKV path: each rank runs its own H/D query heads over the whole gathered workspace.
+
+    q: bf16[T, H, 576] (H divisible by D); workspace: u8[D * P, R] replicated; indices/counts from
+    `remap_topk`.  Returns out bf16[T, H, 512], lse f32[T, H] (heads rank-major, as q).
+    """
+    d = mesh.shape[axis_name]
+    if q.shape[1] % d:
+        raise ValueError(f"q: expected a head count divisible by the DCP size {d}, got {q.shape[1]}")
+    layout = formats.get(format).layout
+
+    def body(q_local, ws, idx, cnt):
+        out, lse = _attend_f32(q_local, ws, idx, cnt, sm_scale, layout)
+        return out.astype(jnp.bfloat16), lse
+
+    specs = (P(None, axis_name), P(), P(), P())
+    args = _place(mesh, specs, q, workspace, indices, counts)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs,
+                                 out_specs=(P(None, axis_name), P(None, axis_name)), check_vma=False))(*args)
+
+
+def stock_dcp_attention(q, caches, block_table, topk, plan: StepPlan, sm_scale, *, format: str, mesh,
+                        axis_name: str = DCP_AXIS):
+    """Stock DCP path: every rank attends its own shard with all heads and the global top-k
+    filtered to the entries it owns (as local physical slots), then the LSE merge.
+
+    caches: u8[D * num_blocks, block_size, R] sharded as for `all_gather_ckv`; topk: i32[T, K]
+    global positions.  Returns out bf16[T, H, 512], lse f32[T, H], replicated.
+    """
+    layout = plan.layout
+    rec_layout = formats.get(format).layout
+    causal = jnp.asarray(plan.positions() + 1)
+    req = jnp.asarray(plan.req_id_per_token)
+    lens = jnp.asarray(plan.rank_req_lens)
+
+    def body(q_all, cache, table, tk, req_id, causal_len, rank_lens):
+        rank = lax.axis_index(axis_name)
+        num_blocks, block_size, record_bytes = cache.shape
+        local = layout.local_index(tk)
+        blk = jnp.clip(local // block_size, 0, table.shape[1] - 1)
+        mine = ((tk >= 0) & (tk < causal_len[:, None]) & (layout.owner(tk) == rank)
+                & (local < rank_lens[rank, req_id][:, None]))
+        slots = jnp.where(mine, table[req_id[:, None], blk] * block_size + local % block_size, -1)
+        counts = jnp.full((tk.shape[0],), tk.shape[1], jnp.int32)
+        out, lse = _attend_f32(q_all, cache.reshape(num_blocks * block_size, record_bytes), slots, counts,
+                               sm_scale, rec_layout)
+        out, lse = merge_partials(out, lse, axis_name)
+        return out.astype(jnp.bfloat16), lse
+
+    specs = (P(), P(axis_name), P(), P(), P(), P(), P())
+    args = _place(mesh, specs, q, caches, jnp.asarray(block_table), topk, req, causal, lens)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P()), check_vma=False))(*args)
+
+
+def _place(mesh, specs, *arrays):
+    """Put each input on the mesh with its spec (shard_map checks that inputs match in_specs)."""
+    return [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(arrays, specs)]

@@ -1,0 +1,125 @@
+"""Host-side step plan of the full-CKV gather (the metadata builder).
+
+Built once per step from the global sequence lengths (history + current chunk) and query
+lengths, in numpy, identically on every rank, with no device sync.  The gathered workspace is
+rank-major: rank o's local shard of request r occupies rows
+`o * P + rank_req_starts[o, r] + local`, rows past a rank's total up to P are zero.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ckv_jax.dcp_layout import DcpLayout
+
+ROW_ALIGN = 64
+DEFAULT_MIN_TOKENS = 16
+DEFAULT_MAX_TOKENS = 131072
+
+
+def ceil_to(x: int, m: int) -> int:
+    return -(-int(x) // m) * m
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepPlan:
+    """Everything the gather, the top-k remap and the patch need about one step.
+
+    Arrays (numpy, int32):
+      seq_lens [R]          global lengths including the current chunk
+      query_lens [R]        current-chunk tokens per request
+      query_start_loc [R+1] exclusive prefix sum of query_lens
+      req_id_per_token [T]  request of each query row
+      rank_req_lens [D, R]  local lengths per rank
+      rank_req_starts [D, R] exclusive prefix sums of rank_req_lens along requests
+      local_cu_seq_lens [D, R+1] per-rank cumulative local lengths, leading 0
+    Ints: padded_tokens P = ceil64(max over ranks of the local total), capacity C,
+    eligible and why (the reason when not eligible).
+    """
+    layout: DcpLayout
+    seq_lens: np.ndarray
+    query_lens: np.ndarray
+    query_start_loc: np.ndarray
+    req_id_per_token: np.ndarray
+    rank_req_lens: np.ndarray
+    rank_req_starts: np.ndarray
+    local_cu_seq_lens: np.ndarray
+    padded_tokens: int
+    capacity: int
+    eligible: bool
+    why: str
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.req_id_per_token.shape[0])
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def local_total(self, rank: int) -> int:
+        return int(self.local_cu_seq_lens[rank, -1])
+
+    def positions(self) -> np.ndarray:
+        """Global position of every query row: seq_len - q_len + (t - q_start)."""
+        req = self.req_id_per_token
+        t = np.arange(self.num_tokens)
+        return (self.seq_lens[req] - self.query_lens[req] + t - self.query_start_loc[req]).astype(np.int32)
+
+
+def capacity(layout: DcpLayout, max_tokens: int, max_num_seqs: int) -> int:
+    """C = ceil64(ceil(MAX_TOKENS / D) + max_num_seqs * I): local rows per rank the pool holds."""
+    return ceil_to(-(-max_tokens // layout.world_size) + max_num_seqs * layout.interleave, ROW_ALIGN)
+
+
+def build_step_plan(layout: DcpLayout, seq_lens, query_lens, *, max_tokens: int = DEFAULT_MAX_TOKENS,
+                    max_num_seqs: int | None = None, min_tokens: int = DEFAULT_MIN_TOKENS) -> StepPlan:
+    """The plan of one step.  seq_lens, query_lens: int[R] (seq_lens include the current chunk)."""
+    seq_lens = np.asarray(seq_lens)
+    query_lens = np.asarray(query_lens)
+    for name, a in (("seq_lens", seq_lens), ("query_lens", query_lens)):
+        if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+            raise TypeError(f"{name}: expected int[num_reqs], got {a.dtype}{list(a.shape)}")
+        if (a < 0).any():
+            raise ValueError(f"{name}: expected non-negative lengths, got {a.tolist()}")
+    if seq_lens.shape != query_lens.shape:
+        raise ValueError(f"query_lens: expected the shape of seq_lens {list(seq_lens.shape)}, "
+                         f"got {list(query_lens.shape)}")
+    if (query_lens > seq_lens).any():
+        i = int(np.flatnonzero(query_lens > seq_lens)[0])
+        raise ValueError(f"query_lens: request {i} has {int(query_lens[i])} query tokens but only "
+                         f"{int(seq_lens[i])} tokens in total")
+    seq_lens = seq_lens.astype(np.int32)
+    query_lens = query_lens.astype(np.int32)
+    num_reqs = seq_lens.shape[0]
+    max_num_seqs = num_reqs if max_num_seqs is None else max_num_seqs
+    if num_reqs > max_num_seqs:
+        raise ValueError(f"seq_lens: {num_reqs} requests exceed max_num_seqs={max_num_seqs}")
+
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    req_id_per_token = np.repeat(np.arange(num_reqs, dtype=np.int32), query_lens)
+    rank_req_lens = layout.local_seq_lens(seq_lens).T.copy()                     # [D, R]
+    cums = np.cumsum(rank_req_lens, axis=1)
+    rank_req_starts = (cums - rank_req_lens).astype(np.int32)
+    local_cu = np.concatenate([np.zeros((layout.world_size, 1), np.int64), cums], axis=1).astype(np.int32)
+    padded = ceil_to(local_cu[:, -1].max(initial=0), ROW_ALIGN)
+    cap = capacity(layout, max_tokens, max_num_seqs)
+
+    if layout.world_size <= 1:
+        why = "world_size is 1: no DCP"
+    elif num_reqs == 0 or (query_lens <= 1).any():
+        why = "not a pure prefill step (a request has at most one query token)"
+    elif query_lens.max() <= min_tokens:
+        why = f"max query length {int(query_lens.max())} <= min_tokens {min_tokens}"
+    elif padded > cap:
+        why = f"padded local tokens P={padded} exceed capacity C={cap}"
+    else:
+        why = ""
+    return StepPlan(layout, seq_lens, query_lens, query_start_loc, req_id_per_token,
+                    rank_req_lens.astype(np.int32), rank_req_starts, local_cu, int(padded), int(cap),
+                    eligible=not why, why=why)

@@ -1,0 +1,33 @@
+"""One process of the 2-process x 2-device full-CKV gather test (run by test_multiprocess.py).
+
+usage: python mp_gather_worker.py PROCESS_ID NUM_PROCESSES PORT OUT.npy
+"""
+import os
+import sys
+
+os.environ["JAX_NUM_CPU_DEVICES"] = "2"
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def main():
+    pid, nproc, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
+                               initialization_timeout=60)
+    import dcp_scenario
+    from ckv_jax import full_ckv
+    from mp_case import CASE
+    sc = dcp_scenario.build(**CASE)
+    mesh = jax.make_mesh((len(jax.devices()),), (full_ckv.DCP_AXIS,))
+    ws = full_ckv.all_gather_ckv(full_ckv.place_caches(sc.caches, mesh), jnp.asarray(sc.block_table), sc.plan,
+                                 mesh=mesh, format=CASE["fmt_name"])
+    local = np.asarray(ws.addressable_shards[0].data)       # replicated: every shard is the whole workspace
+    np.save(out, local)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
