@@ -22,3 +22,11 @@ def pytest_collection_modifyitems(config, items):
 def kernel_mode(request):
     """Pallas kernels run interpreted everywhere and compiled on a GPU."""
     return request.param
+
+
+@pytest.fixture(params=["xla", "pallas_triton:interpret",
+                        pytest.param("pallas_triton:compiled", marks=pytest.mark.gpu)])
+def implementation(request):
+    """Keyword arguments selecting one implementation of a kernel op and its mode."""
+    name, _, mode = request.param.partition(":")
+    return dict(implementation=name, interpret=mode == "interpret")

@@ -16,14 +16,6 @@ from pallas_kernels.cache_writer import pallas_triton
 NAMES = ["fp8_ds_mla", "nvfp4_ds_mla", "bf16"]
 
 
-@pytest.fixture(params=["xla", "pallas_triton:interpret",
-                        pytest.param("pallas_triton:compiled", marks=pytest.mark.gpu)])
-def writer(request):
-    """keyword arguments of write_records selecting one implementation and mode."""
-    name, _, mode = request.param.partition(":")
-    return dict(implementation=name, interpret=mode == "interpret")
-
-
 def _triton(kernel_mode):
     return dict(implementation="pallas_triton", interpret=kernel_mode == "interpret")
 
@@ -40,7 +32,7 @@ def _expected_cache(poison, slots, records):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("tokens, kv_dtype", [(37, ml_dtypes.bfloat16), (1, ml_dtypes.bfloat16),
                                               (16, np.float32), (21, np.float16)])
-def test_writer_matches_oracle(writer, name, tokens, kv_dtype):
+def test_writer_matches_oracle(implementation, name, tokens, kv_dtype):
     fmt = formats.get(name)
     rng = np.random.default_rng(tokens * 7 + len(name))
     num_blocks, block_size = 5, 16
@@ -54,7 +46,7 @@ def test_writer_matches_oracle(writer, name, tokens, kv_dtype):
         slots[4] = -7
     poison = rng.integers(0, 256, (num_blocks, block_size, fmt.record_bytes), dtype=np.uint8)
     out = ckv_jax.write_records(jnp.asarray(poison), jnp.asarray(kv_c), jnp.asarray(k_pe),
-                                jnp.asarray(slots), name, **writer)
+                                jnp.asarray(slots), name, **implementation)
     assert out.shape == poison.shape and out.dtype == jnp.uint8
     assert_bytes_equal(out, _expected_cache(poison, slots, oracle_records(name, kv_c, k_pe)), "cache")
 
@@ -72,12 +64,12 @@ def test_writer_edge_values_match_oracle(name, kernel_mode):
     assert_bytes_equal(out, _expected_cache(poison, slots, oracle_records(name, kv_c, k_pe)), "cache")
 
 
-def test_writer_with_zero_tokens_returns_cache_unchanged(writer):
+def test_writer_with_zero_tokens_returns_cache_unchanged(implementation):
     fmt = formats.get("fp8_ds_mla")
     poison = np.random.default_rng(2).integers(0, 256, (2, 4, fmt.record_bytes), dtype=np.uint8)
     out = ckv_jax.write_records(jnp.asarray(poison), jnp.zeros((0, 512), jnp.bfloat16),
                                 jnp.zeros((0, 64), jnp.bfloat16), jnp.zeros((0,), jnp.int32),
-                                fmt, **writer)
+                                fmt, **implementation)
     assert_bytes_equal(out, poison)
 
 
@@ -91,16 +83,16 @@ def _full_cache_copies(hlo_text, num_elements):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_writer_updates_in_place(writer, name):
+def test_writer_updates_in_place(implementation, name):
     fmt = formats.get(name)
     cache = jnp.zeros((64, 16, fmt.record_bytes), jnp.uint8)
     kv_c, k_pe = random_kv(np.random.default_rng(0), 40)
     slots = jnp.arange(40, dtype=jnp.int32) * 3
-    impl = cache_writer.choose(writer["implementation"], jax.devices()[0], cache.size,
-                               interpret=writer["interpret"])
+    impl = cache_writer.choose(implementation["implementation"], jax.devices()[0], cache.size,
+                               interpret=implementation["interpret"])
 
     def write(c, a, b, s):
-        return impl.run(c, a, b, s, layout=fmt.layout, interpret=writer["interpret"])
+        return impl.run(c, a, b, s, layout=fmt.layout, interpret=implementation["interpret"])
 
     compiled = jax.jit(write, donate_argnums=0).lower(cache, kv_c, k_pe, slots).compile()
     hlo = compiled.as_text()

@@ -12,11 +12,6 @@ from pallas_kernels.paged_gather import pallas_triton
 NAMES = ["fp8_ds_mla", "nvfp4_ds_mla", "bf16"]
 
 
-@pytest.fixture(params=["xla", "pallas_triton:interpret",
-                        pytest.param("pallas_triton:compiled", marks=pytest.mark.gpu)])
-def gather_impl(request):
-    name, _, mode = request.param.partition(":")
-    return dict(implementation=name, interpret=mode == "interpret")
 
 
 def _case(name, seed=0, num_blocks=14, block_size=8):
@@ -47,10 +42,10 @@ def _numpy_model(cache, table, cu, num_rows):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_gather_records_matches_numpy_model(name, gather_impl):
+def test_gather_records_matches_numpy_model(name, implementation):
     fmt, cache, table, cu, rows = _case(name)
     got = paged_gather.gather_records(jnp.asarray(cache), jnp.asarray(table), jnp.asarray(cu),
-                                      num_rows=rows, **gather_impl)
+                                      num_rows=rows, **implementation)
     want = _numpy_model(cache, table, cu, rows)
     np.testing.assert_array_equal(np.asarray(got), want)
     assert np.asarray(got)[cu[-1]:].max() == 0, "padding rows are zero"
@@ -58,10 +53,10 @@ def test_gather_records_matches_numpy_model(name, gather_impl):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_gather_dequant_matches_decode(name, gather_impl):
+def test_gather_dequant_matches_decode(name, implementation):
     fmt, cache, table, cu, rows = _case(name, seed=1)
     got = paged_gather.gather_dequant(jnp.asarray(cache), jnp.asarray(table), jnp.asarray(cu),
-                                      num_rows=rows, layout=fmt.layout, **gather_impl)
+                                      num_rows=rows, layout=fmt.layout, **implementation)
     assert got.dtype == jnp.bfloat16 and got.shape == (rows, 576)
     records = _numpy_model(cache, table, cu, rows)
     import oracle
@@ -73,11 +68,11 @@ def test_gather_dequant_matches_decode(name, gather_impl):
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want_bf16.view(np.uint16))
 
 
-def test_gather_with_more_rows_than_tiles_and_empty_requests(gather_impl):
+def test_gather_with_more_rows_than_tiles_and_empty_requests(implementation):
     fmt, cache, table, cu, _ = _case("fp8_ds_mla", seed=2)
     cu_empty = np.zeros_like(cu)
     got = paged_gather.gather_records(jnp.asarray(cache), jnp.asarray(table), jnp.asarray(cu_empty),
-                                      num_rows=64, **gather_impl)
+                                      num_rows=64, **implementation)
     assert np.asarray(got).shape == (64, 656) and np.asarray(got).max() == 0
 
 

@@ -12,7 +12,6 @@ against the XLA reference before it is timed.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import jax
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ckv_jax import formats
+from ckv_jax.benchmarks import report
 from ckv_jax.benchmarks.timing import copy_seconds, time_pure, torch_copy_seconds
 from pallas_kernels import paged_gather
 
@@ -120,14 +120,7 @@ def main(argv=None) -> int:
     print(f"gather benchmark on {jax.devices()[0].device_kind} (jax {jax.__version__})", flush=True)
     results = run([int(t) for t in args.tokens.split(",")], args.formats.split(","), args.repeats,
                   log=lambda *a: print(*a, flush=True))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, results=results), f, indent=1)
-    print(f"\n{'op':<14} {'format':<13} {'tokens':>7} {'impl':<19} {'us':>8} {'GB/s':>6} {'copy':>6} {'%copy':>6} exact")
-    for r in results:
-        print(f"{r['op']:<14} {r['format']:<13} {r['tokens']:>7} {r['implementation']:<19} {r['us']:8.1f} "
-              f"{r['gbps']:6.0f} {r['ceiling_gbps']:6.0f} {r['pct_of_copy']:5.0f}% {r['exact']}")
-    return 0 if all(r["exact"] for r in results) else 1
+    return report.finish(results, [("op", "op", 14), ("format", "format", 13), ("tokens", "tokens", 7)], args.json)
 
 
 if __name__ == "__main__":

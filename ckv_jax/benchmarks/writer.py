@@ -11,7 +11,6 @@ the XLA reference before it is timed.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import jax
@@ -19,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ckv_jax import formats
+from ckv_jax.benchmarks import report
 from ckv_jax.benchmarks.timing import copy_seconds, time_in_place, torch_copy_seconds
 from pallas_kernels import cache_writer
 
@@ -97,14 +97,7 @@ def main(argv=None) -> int:
     print(f"writer benchmark on {jax.devices()[0].device_kind} (jax {jax.__version__})", flush=True)
     results = run([int(t) for t in args.tokens.split(",")], args.formats.split(","),
                   args.patterns.split(","), args.repeats, log=lambda *a: print(*a, flush=True))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, results=results), f, indent=1)
-    print(f"\n{'format':<13} {'tokens':>8} {'slots':<10} {'impl':<14} {'us':>9} {'GB/s':>6} {'copy':>6} {'%copy':>6} exact")
-    for r in results:
-        print(f"{r['format']:<13} {r['tokens']:>8} {r['pattern']:<10} {r['implementation']:<14} {r['us']:9.1f} "
-              f"{r['gbps']:6.0f} {r['ceiling_gbps']:6.0f} {r['pct_of_copy']:5.0f}% {r['exact']}")
-    return 0 if all(r["exact"] for r in results) else 1
+    return report.finish(results, [("format", "format", 13), ("tokens", "tokens", 8), ("slots", "pattern", 10)], args.json)
 
 
 if __name__ == "__main__":
