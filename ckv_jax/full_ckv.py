@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ckv_jax import formats, validation
 from ckv_jax.step_plan import StepPlan
-from pallas_kernels import paged_gather
+from pallas_kernels import cache_writer, paged_gather
 
 DCP_AXIS = "dcp"
 
@@ -166,6 +166,48 @@ def _remap_jit(topk, req_id, causal_len, starts, lens, *, layout, padded):
     t_idx = jnp.broadcast_to(jnp.arange(topk.shape[0])[:, None], topk.shape)
     out = jnp.full_like(topk, -1).at[t_idx, dest].set(rows, mode="drop")
     return out, valid.sum(axis=1).astype(jnp.int32)
+
+
+def chunk_rows(plan: StepPlan) -> np.ndarray:
+    """i32[T]: the workspace row of every current-chunk token (all owners, all requests)."""
+    return workspace_rows(plan, plan.req_id_per_token, plan.positions().astype(np.int64)).astype(np.int32)
+
+
+def patch_current_chunk(workspace, kv_c, k_pe, plan: StepPlan, format: str | formats.RecordFormat, *,
+                        implementation: str | Sequence[str] | None = None, interpret: bool = False):
+    """Write the step's current-chunk records into a gathered workspace, in place.
+
+    A prefetched workspace was gathered before its layer wrote the current chunk into the paged
+    cache, so the chunk's rows hold stale bytes.  Every rank holds the chunk's latents of all T
+    tokens, so it re-encodes them with the cache writer's encoder (bit-identical records) and
+    scatters them to `owner * P + rank_req_starts[owner, req] + local`.  History rows are not
+    touched.
+
+    Args:
+      workspace: u8[D * P, R] (donated; the result reuses its buffer).
+      kv_c: bf16|f16|f32[T, nope_dim]; k_pe: bf16[T, rope_dim], T = plan.num_tokens.
+    Returns:
+      u8[D * P, R].
+    """
+    fmt = formats.get(format)
+    validation.check_records(fmt, workspace)
+    if workspace.shape[0] != plan.world_size * plan.padded_tokens:
+        raise ValueError(f"workspace: expected uint8[{plan.world_size * plan.padded_tokens}, {fmt.record_bytes}] "
+                         f"(D * P rows), got {validation.describe(workspace)}")
+    if validation.check_values(fmt, kv_c, k_pe) != plan.num_tokens:
+        raise ValueError(f"kv_c: expected [{plan.num_tokens}, {fmt.nope_dim}] (the step's query tokens), "
+                         f"got {validation.describe(kv_c)}")
+    impl = cache_writer.choose(implementation, jax.devices()[0] if isinstance(workspace, jax.core.Tracer)
+                               else next(iter(workspace.devices())), workspace.size, interpret=interpret)
+    return _patch_jit(workspace, kv_c, k_pe, jnp.asarray(chunk_rows(plan)), layout=fmt.layout,
+                      run=impl.run, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "run", "interpret"), donate_argnums=(0,))
+def _patch_jit(workspace, kv_c, k_pe, rows, *, layout, run, interpret):
+    n, record_bytes = workspace.shape
+    out = run(workspace.reshape(n, 1, record_bytes), kv_c, k_pe, rows, layout=layout, interpret=interpret)
+    return out.reshape(n, record_bytes)
 
 
 def place_caches(per_rank_caches, mesh: jax.sharding.Mesh, axis_name: str = DCP_AXIS):

@@ -27,7 +27,9 @@ class Scenario:
 
 
 def build(world_size, interleave, fmt_name, seq_lens, query_lens, *, block_size=8, seed=0,
-          extra_blocks=5, writer="xla"):
+          extra_blocks=5, writer="xla", history_only=False):
+    """history_only: leave the current chunk's slots as they were (random bytes), as a cache looks
+    before the step's layer writes its chunk."""
     rng = np.random.default_rng(seed)
     layout = DcpLayout(world_size, interleave, block_size)
     fmt = formats.get(fmt_name)
@@ -51,11 +53,12 @@ def build(world_size, interleave, fmt_name, seq_lens, query_lens, *, block_size=
     for rank in range(world_size):
         cache = jnp.asarray(rng.integers(0, 256, (num_blocks, block_size, fmt.record_bytes), dtype=np.uint8))
         for r, n in enumerate(seq_lens):
+            n = n - query_lens[r] if history_only else n
             if n == 0:
                 continue
             pos = np.arange(n, dtype=np.int32)
             slots = layout.slot_mapping(pos, np.full(n, r, np.int32), table, rank)
-            cache = ckv_jax.write_records(cache, jnp.asarray(kv_c[r]), jnp.asarray(k_pe[r]),
+            cache = ckv_jax.write_records(cache, jnp.asarray(kv_c[r][:n]), jnp.asarray(k_pe[r][:n]),
                                           jnp.asarray(slots), fmt, implementation=writer)
         caches.append(np.asarray(cache))
     return Scenario(layout, fmt, seq_lens, query_lens, kv_c, k_pe, table, caches, plan)
@@ -83,3 +86,10 @@ def global_records(sc: Scenario):
     """u8[sum(L), R]: every request's records in global token order (no DCP involved)."""
     parts = [np.asarray(sc.fmt.encode(jnp.asarray(kv), jnp.asarray(pe))) for kv, pe in zip(sc.kv_c, sc.k_pe) if len(kv)]
     return np.concatenate(parts) if parts else np.zeros((0, sc.fmt.record_bytes), np.uint8)
+
+
+def chunk_latents(sc: Scenario):
+    """The step's current-chunk latents of all T query tokens, in query order."""
+    kv = np.concatenate([sc.kv_c[r][n - q:] for r, (n, q) in enumerate(zip(sc.seq_lens, sc.query_lens))])
+    pe = np.concatenate([sc.k_pe[r][n - q:] for r, (n, q) in enumerate(zip(sc.seq_lens, sc.query_lens))])
+    return jnp.asarray(kv), jnp.asarray(pe)

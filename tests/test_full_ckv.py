@@ -199,3 +199,36 @@ def test_remap_rejects_bad_topk():
         full_ckv.remap_topk(np.zeros((20, 8), np.int64), plan)
     with pytest.raises(ValueError, match=r"topk: expected int32\[20, K\] \(one row per query token\)"):
         full_ckv.remap_topk(jnp.zeros((19, 8), jnp.int32), plan)
+
+
+@pytest.mark.parametrize("d, interleave, name", [(2, 1, "fp8_ds_mla"), (4, 2, "nvfp4_ds_mla"), (4, 1, "bf16")])
+def test_patch_turns_a_history_gather_into_the_synchronous_gather(d, interleave, name, impl):
+    """Gather before the chunk is written (prefetch), patch the chunk: equal to the gather after
+    the write, and every history row byte-unchanged by the patch."""
+    kw = dict(seed=31 + d)
+    before = dcp_scenario.build(d, interleave, name, SEQ_LENS, QUERY_LENS, history_only=True, **kw)
+    after = dcp_scenario.build(d, interleave, name, SEQ_LENS, QUERY_LENS, **kw)
+    mesh = mesh_of(d)
+    table = jnp.asarray(before.block_table)
+    prefetched = full_ckv.all_gather_ckv(full_ckv.place_caches(before.caches, mesh), table, before.plan, mesh=mesh,
+                                         format=name)
+    prefetched_np = np.asarray(prefetched)
+    kv_c, k_pe = dcp_scenario.chunk_latents(before)
+    patched = np.asarray(full_ckv.patch_current_chunk(prefetched, kv_c, k_pe, before.plan, name, **impl))
+    synchronous = np.asarray(full_ckv.all_gather_ckv(full_ckv.place_caches(after.caches, mesh), table, after.plan,
+                                                     mesh=mesh, format=name))
+    np.testing.assert_array_equal(patched, synchronous)
+    rows = full_ckv.chunk_rows(before.plan)
+    history = np.setdiff1d(np.arange(patched.shape[0]), rows)
+    np.testing.assert_array_equal(patched[history], prefetched_np[history])
+    assert (prefetched_np[rows] != synchronous[rows]).any(), "the chunk rows were stale before the patch"
+
+
+def test_patch_rejects_mismatched_inputs():
+    sc = dcp_scenario.build(2, 1, "fp8_ds_mla", SEQ_LENS, QUERY_LENS, seed=2)
+    ws = jnp.zeros((2 * sc.plan.padded_tokens, 656), jnp.uint8)
+    kv_c, k_pe = dcp_scenario.chunk_latents(sc)
+    with pytest.raises(ValueError, match=r"kv_c: expected \[44, 512\] \(the step's query tokens\)"):
+        full_ckv.patch_current_chunk(ws, kv_c[:10], k_pe[:10], sc.plan, "fp8_ds_mla")
+    with pytest.raises(ValueError, match=r"workspace: expected uint8\[256, 656\] \(D \* P rows\)"):
+        full_ckv.patch_current_chunk(ws[:100], kv_c, k_pe, sc.plan, "fp8_ds_mla")
