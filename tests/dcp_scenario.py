@@ -27,7 +27,7 @@ class Scenario:
 
 
 def build(world_size, interleave, fmt_name, seq_lens, query_lens, *, block_size=8, seed=0,
-          extra_blocks=5, writer="xla", history_only=False):
+          extra_blocks=5, writer="xla", history_only=False, kv_seed=None):
     """history_only: leave the current chunk's slots as they were (random bytes), as a cache looks
     before the step's layer writes its chunk."""
     rng = np.random.default_rng(seed)
@@ -47,6 +47,7 @@ def build(world_size, interleave, fmt_name, seq_lens, query_lens, *, block_size=
         k += n
         # stale entries past the valid prefix: in-range ids of other requests, or garbage
         table[r, n:] = rng.choice([int(ids[0]), -1, num_blocks + 7, 2 ** 31 - 1], size=max_blocks - n)
+    rng = rng if kv_seed is None else np.random.default_rng(kv_seed)    # same table, other values
     kv_c = [(rng.standard_normal((n, 512)) * rng.uniform(0.1, 10)).astype(ml_dtypes.bfloat16) for n in seq_lens]
     k_pe = [rng.standard_normal((n, 64)).astype(ml_dtypes.bfloat16) for n in seq_lens]
     caches = []

@@ -1,0 +1,138 @@
+"""Depth-N cross-layer prefetch inside one JAX program.
+
+The all-gather of a layer's CKV depends only on that layer's history, not on its queries, so
+iteration l issues the gather of layer l + depth from the pre-step cache, into ring slot
+`(l + depth) % (depth + 1)`, before layer l computes; layer l then writes its current chunk into
+its own paged cache, consumes slot `l % (depth + 1)` after patching the chunk into it, and runs
+its attention.  Depth 0 gathers each layer synchronously after its write.  Every depth gives the
+same bytes and the same outputs; data dependencies replace upstream's events, and XLA is free to
+run the gathers of later layers (async collectives) under earlier layers' compute.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ckv_jax import formats, full_ckv, validation
+from ckv_jax.step_plan import StepPlan
+from pallas_kernels import cache_writer
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaLayer:
+    """How one layer computes, as seen from one DCP rank (inside the shard_map).
+
+    project(params, x) -> (q bf16[T, H_local, 576] (this rank's heads), kv_c bf16[T, 512], k_pe bf16[T, 64])
+    attend(q, workspace u8[D * P, R], indices i32[T, K], counts i32[T]) -> out [T, H_local, 512]
+    finish(params, x, out) -> next x (may use collectives over the DCP axis, e.g. to gather heads)
+    """
+    project: Callable
+    attend: Callable
+    finish: Callable
+
+
+def _step_arrays(plan: StepPlan, block_table):
+    """Host arrays the loop needs, identical on every rank (indexed by rank inside)."""
+    layout = plan.layout
+    table = np.asarray(block_table)
+    pos = plan.positions()
+    slots = np.stack([layout.slot_mapping(pos, plan.req_id_per_token, table, rank)
+                      for rank in range(layout.world_size)])                          # [D, T]
+    return dict(slots=slots.astype(np.int32), rows=full_ckv.chunk_rows(plan),
+                local_cu=plan.local_cu_seq_lens, table=table.astype(np.int32))
+
+
+def prefill_layers(x, caches: Sequence[jax.Array], params: Sequence[Any], block_table, plan: StepPlan,
+                   topk_indices, topk_counts, *, layer: MlaLayer, depth: int, mesh: jax.sharding.Mesh,
+                   format: str, axis_name: str = full_ckv.DCP_AXIS, implementation=None,
+                   interpret: bool = False, return_workspaces: bool = False):
+    """Run L layers of one pure-prefill step with depth-N prefetch of the full-CKV gathers.
+
+    Args:
+      x: [T, ...] layer input, replicated (every rank holds all T tokens).
+      caches: L arrays u8[D * num_blocks, block_size, R] sharded over `axis_name` (`place_caches`);
+        they hold each layer's history; the current chunk is written here.
+      params: L per-layer parameter pytrees (replicated), passed to `layer`.
+      block_table: i32[R, max_blocks]; plan: the step plan.
+      topk_indices, topk_counts: i32[L, T, K], i32[L, T] per-layer top-k already remapped to
+        workspace rows (`remap_topk`).
+      depth: layers gathered ahead (0 = synchronous).
+    Returns:
+      (x after the last layer, the L updated caches[, u8[L, D * P, R] workspaces each layer used]).
+    """
+    if not isinstance(depth, int) or depth < 0:
+        raise ValueError(f"depth: expected an int >= 0, got {depth!r}")
+    fmt = formats.get(format)
+    num_layers = len(caches)
+    if len(params) != num_layers:
+        raise ValueError(f"params: expected one entry per layer ({num_layers}), got {len(params)}")
+    for cache in caches:
+        validation.check_cache(fmt, cache)
+    if mesh.shape.get(axis_name) != plan.world_size:
+        raise ValueError(f"mesh: axis {axis_name!r} has size {mesh.shape.get(axis_name)}, expected the plan's "
+                         f"world_size {plan.world_size}")
+    full_ckv.check_block_table(plan, block_table)
+    arrays = _step_arrays(plan, block_table)
+    if implementation is not None and not isinstance(implementation, str):
+        implementation = tuple(implementation)
+    body = functools.partial(
+        _loop, layer=layer, depth=depth, num_rows=plan.padded_tokens, layout=fmt.layout, axis_name=axis_name,
+        implementation=implementation, interpret=interpret, return_workspaces=return_workspaces)
+    rep = P()
+    in_specs = (rep, [P(axis_name)] * num_layers, rep, rep, rep, rep, rep, rep, rep)
+    out_specs = (rep, [P(axis_name)] * num_layers) + ((rep,) if return_workspaces else ())
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    args = (put(x, rep), list(caches), jax.tree.map(lambda a: put(a, rep), list(params)),
+            put(jnp.asarray(arrays["table"]), rep), put(jnp.asarray(arrays["local_cu"]), rep),
+            put(jnp.asarray(arrays["slots"]), rep), put(jnp.asarray(arrays["rows"]), rep),
+            put(jnp.asarray(topk_indices), rep), put(jnp.asarray(topk_counts), rep))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False),
+                 donate_argnums=(1,))
+    return fn(*args)
+
+
+def _loop(x, caches, params, table, local_cu, slots, rows, indices, counts, *, layer, depth, num_rows,
+          layout, axis_name, implementation, interpret, return_workspaces):
+    rank = lax.axis_index(axis_name)
+    num_layers = len(caches)
+    caches = list(caches)
+    ring_slots = depth + 1
+
+    def gather(cache):
+        return full_ckv.gather_workspace_in_shard_map(cache, table, local_cu, num_rows=num_rows,
+                                                      axis_name=axis_name, implementation=implementation,
+                                                      interpret=interpret)
+
+    def write(cache, kv_c, k_pe, dest):
+        return cache_writer.write_records(cache, kv_c, k_pe, dest, layout=layout,
+                                          implementation=implementation, interpret=interpret)
+
+    ring = None
+    if depth:
+        record_bytes = caches[0].shape[2]
+        ring = jnp.zeros((ring_slots, local_cu.shape[0] * num_rows, record_bytes), jnp.uint8)
+        for target in range(min(depth, num_layers)):             # the first N layers, before any compute
+            ring = ring.at[target % ring_slots].set(gather(caches[target]))
+    used = []
+    for l in range(num_layers):
+        if depth and l + depth < num_layers:                     # issued ahead of layer l's compute
+            ring = ring.at[(l + depth) % ring_slots].set(gather(caches[l + depth]))
+        q, kv_c, k_pe = layer.project(params[l], x)
+        caches[l] = write(caches[l], kv_c, k_pe, slots[rank])
+        if depth:
+            n, record_bytes = ring.shape[1:]
+            workspace = write(ring[l % ring_slots].reshape(n, 1, record_bytes), kv_c, k_pe, rows).reshape(n, record_bytes)
+        else:
+            workspace = gather(caches[l])                        # synchronous: after this layer's write
+        if return_workspaces:
+            used.append(workspace)
+        x = layer.finish(params[l], x, layer.attend(q, workspace, indices[l], counts[l]))
+    outputs = (x, caches)
+    return outputs + ((jnp.stack(used),) if return_workspaces else ())
