@@ -322,7 +322,9 @@ def _e2m1_values(codes: jnp.ndarray) -> jnp.ndarray:
     """float4_e2m1fn codes (uint8 0..15) -> float32 {0, .5, 1, 1.5, 2, 3, 4, 6} with sign."""
     c = (codes & 0x7).astype(jnp.float32)
     mag = jnp.where(c < 4, c * 0.5, jnp.where(c == 7, 6.0, c - 2.0))
-    return jnp.where((codes & 0x8) != 0, -mag, mag)
+    # the sign goes in as a bit: compiled Triton negates as 0 - x, which loses the sign of -0
+    sign = ((codes >> 3) & 1).astype(jnp.uint32) << 31
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(mag, jnp.uint32) | sign, jnp.float32)
 
 
 def decode_segments(layout: RecordLayout, segments) -> tuple[jnp.ndarray, jnp.ndarray]:
