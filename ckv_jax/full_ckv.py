@@ -184,16 +184,17 @@ def patch_current_chunk(workspace, kv_c, k_pe, plan: StepPlan, format: str | for
     touched.
 
     Args:
-      workspace: u8[D * P, R] (donated; the result reuses its buffer).
+      workspace: u8[N, R] with N >= D * P, e.g. a ring slot of D * C rows (donated; the result
+        reuses its buffer; rows past D * P are not touched).
       kv_c: bf16|f16|f32[T, nope_dim]; k_pe: bf16[T, rope_dim], T = plan.num_tokens.
     Returns:
-      u8[D * P, R].
+      u8[N, R].
     """
     fmt = formats.get(format)
     validation.check_records(fmt, workspace)
-    if workspace.shape[0] != plan.world_size * plan.padded_tokens:
-        raise ValueError(f"workspace: expected uint8[{plan.world_size * plan.padded_tokens}, {fmt.record_bytes}] "
-                         f"(D * P rows), got {validation.describe(workspace)}")
+    if workspace.shape[0] < plan.world_size * plan.padded_tokens:
+        raise ValueError(f"workspace: expected uint8[>= {plan.world_size * plan.padded_tokens}, {fmt.record_bytes}] "
+                         f"(at least D * P rows), got {validation.describe(workspace)}")
     if validation.check_values(fmt, kv_c, k_pe) != plan.num_tokens:
         raise ValueError(f"kv_c: expected [{plan.num_tokens}, {fmt.nope_dim}] (the step's query tokens), "
                          f"got {validation.describe(kv_c)}")
@@ -208,6 +209,46 @@ def _patch_jit(workspace, kv_c, k_pe, rows, *, layout, run, interpret):
     n, record_bytes = workspace.shape
     out = run(workspace.reshape(n, 1, record_bytes), kv_c, k_pe, rows, layout=layout, interpret=interpret)
     return out.reshape(n, record_bytes)
+
+
+def dcp_slot_mapping(plan: StepPlan, block_table) -> np.ndarray:
+    """i32[D, T]: each rank's slot for every current-chunk token (-1 where another rank owns it)."""
+    table = np.asarray(block_table)
+    pos = plan.positions()
+    return np.stack([plan.layout.slot_mapping(pos, plan.req_id_per_token, table, rank)
+                     for rank in range(plan.world_size)]).astype(np.int32)
+
+
+def write_records_dcp(caches, kv_c, k_pe, plan: StepPlan, block_table, *, mesh: jax.sharding.Mesh,
+                      format: str | formats.RecordFormat, axis_name: str = DCP_AXIS,
+                      implementation: str | Sequence[str] | None = None, interpret: bool = False):
+    """The DCP cache write of one layer: every rank writes the chunk tokens it owns into its cache.
+
+    caches: u8[D * num_blocks, block_size, R] sharded over `axis_name` (donated, updated in place);
+    kv_c: [T, nope_dim], k_pe: bf16[T, rope_dim], T = plan.num_tokens (every rank holds all T).
+    """
+    fmt = formats.get(format)
+    validation.check_cache(fmt, caches)
+    if validation.check_values(fmt, kv_c, k_pe) != plan.num_tokens:
+        raise ValueError(f"kv_c: expected [{plan.num_tokens}, {fmt.nope_dim}] (the step's query tokens), "
+                         f"got {validation.describe(kv_c)}")
+    if implementation is not None and not isinstance(implementation, str):
+        implementation = tuple(implementation)
+    replicated = NamedSharding(mesh, P())
+    put = lambda a: jax.device_put(a, replicated)
+    return _write_dcp_jit(caches, put(kv_c), put(k_pe), put(jnp.asarray(dcp_slot_mapping(plan, block_table))),
+                          mesh=mesh, axis_name=axis_name, layout=fmt.layout, implementation=implementation,
+                          interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "layout", "implementation", "interpret"),
+                   donate_argnums=(0,))
+def _write_dcp_jit(caches, kv_c, k_pe, slots, *, mesh, axis_name, layout, implementation, interpret):
+    def body(cache, kv, pe, all_slots):
+        return cache_writer.write_records(cache, kv, pe, all_slots[lax.axis_index(axis_name)], layout=layout,
+                                          implementation=implementation, interpret=interpret)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(axis_name), P(), P(), P()), out_specs=P(axis_name),
+                         check_vma=False)(caches, kv_c, k_pe, slots)
 
 
 def place_caches(per_rank_caches, mesh: jax.sharding.Mesh, axis_name: str = DCP_AXIS):

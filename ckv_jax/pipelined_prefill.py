@@ -40,13 +40,8 @@ class MlaLayer:
 
 def _step_arrays(plan: StepPlan, block_table):
     """Host arrays the loop needs, identical on every rank (indexed by rank inside)."""
-    layout = plan.layout
-    table = np.asarray(block_table)
-    pos = plan.positions()
-    slots = np.stack([layout.slot_mapping(pos, plan.req_id_per_token, table, rank)
-                      for rank in range(layout.world_size)])                          # [D, T]
-    return dict(slots=slots.astype(np.int32), rows=full_ckv.chunk_rows(plan),
-                local_cu=plan.local_cu_seq_lens, table=table.astype(np.int32))
+    return dict(slots=full_ckv.dcp_slot_mapping(plan, block_table), rows=full_ckv.chunk_rows(plan),
+                local_cu=plan.local_cu_seq_lens, table=np.asarray(block_table).astype(np.int32))
 
 
 def prefill_layers(x, caches: Sequence[jax.Array], params: Sequence[Any], block_table, plan: StepPlan,

@@ -27,9 +27,10 @@ class Scenario:
 
 
 def build(world_size, interleave, fmt_name, seq_lens, query_lens, *, block_size=8, seed=0,
-          extra_blocks=5, writer="xla", history_only=False, kv_seed=None):
+          extra_blocks=5, writer="xla", history_only=False, kv_seed=None, written=None):
     """history_only: leave the current chunk's slots as they were (random bytes), as a cache looks
-    before the step's layer writes its chunk."""
+    before the step's layer writes its chunk; written: per request, how many leading positions
+    the caches hold (overrides history_only)."""
     rng = np.random.default_rng(seed)
     layout = DcpLayout(world_size, interleave, block_size)
     fmt = formats.get(fmt_name)
@@ -54,7 +55,7 @@ def build(world_size, interleave, fmt_name, seq_lens, query_lens, *, block_size=
     for rank in range(world_size):
         cache = jnp.asarray(rng.integers(0, 256, (num_blocks, block_size, fmt.record_bytes), dtype=np.uint8))
         for r, n in enumerate(seq_lens):
-            n = n - query_lens[r] if history_only else n
+            n = written[r] if written is not None else (n - query_lens[r] if history_only else n)
             if n == 0:
                 continue
             pos = np.arange(n, dtype=np.int32)
@@ -65,15 +66,16 @@ def build(world_size, interleave, fmt_name, seq_lens, query_lens, *, block_size=
     return Scenario(layout, fmt, seq_lens, query_lens, kv_c, k_pe, table, caches, plan)
 
 
-def expected_workspace(sc: Scenario):
+def expected_workspace(sc: Scenario, seq_lens=None, plan=None):
     """u8[D * P, R] by naive counting: owner of p is (p // I) % D, local = how many earlier
-    positions of the request the owner holds, starts = what earlier requests put on the owner."""
+    positions of the request the owner holds, starts = what earlier requests put on the owner.
+    seq_lens/plan: a step that covers only the leading positions (default: the scenario's)."""
     d, i = sc.layout.world_size, sc.layout.interleave
-    pad = sc.plan.padded_tokens
+    pad = (plan or sc.plan).padded_tokens
     out = np.zeros((d * pad, sc.fmt.record_bytes), np.uint8)
     filled = np.zeros(d, np.int64)
-    for r, n in enumerate(sc.seq_lens):
-        records = np.asarray(sc.fmt.encode(jnp.asarray(sc.kv_c[r]), jnp.asarray(sc.k_pe[r]))) if n else None
+    for r, n in enumerate(sc.seq_lens if seq_lens is None else seq_lens):
+        records = np.asarray(sc.fmt.encode(jnp.asarray(sc.kv_c[r][:n]), jnp.asarray(sc.k_pe[r][:n]))) if n else None
         count = np.zeros(d, np.int64)
         for p in range(n):
             owner = (p // i) % d

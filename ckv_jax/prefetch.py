@@ -1,0 +1,237 @@
+"""Per-layer orchestrator of depth-N CKV prefetch, for engines that call once per layer.
+
+The in-program form is `pipelined_prefill.prefill_layers`; this is the stateful form of the same
+rules (upstream's prefetch registry).  A pool of ring slots is allocated once from the memory
+plan; each execution lane (target model, draft model, micro-batch) leases its own S = depth + 1
+slots of D * C records.  Per step:
+
+    orch.begin_step(plan, block_table)             # drops pending prefetches, keeps cache bindings
+    for layer in range(L):
+        cache = ...write this layer's chunk...     # the engine's own paged-cache write
+        ws = orch.gather(layer, cache, kv_c, k_pe)  # prefetched + patched, or gathered now
+        ...attention over ws (u8[D * C, R]; rows past D * P are unreachable)...
+
+`gather` issues the gathers of layers L+1..L+depth that are registered and not already pending
+(JAX dispatch is asynchronous: they run on JAX's stream while the caller continues), stopping
+at the first layer whose cache is not registered, so the first step only discovers caches.
+Ordering comes from data dependencies: a prefetch reads the registered (pre-step) cache of its
+layer, and JAX orders a later donation or overwrite of that cache after the read.
+
+Invariant: every decision (sync or prefetched, which targets) depends only on the call sequence
+(layer indices, which caches were registered, the plan's eligibility), never on device state,
+so every rank of a multi-process run makes the same decisions in the same order and their
+collectives match.  `decisions` records them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Hashable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ckv_jax import formats, full_ckv
+from ckv_jax.dcp_layout import DcpLayout
+from ckv_jax.prefetch_config import GatherConfig, MemoryPlan, memory_plan
+from ckv_jax.step_plan import StepPlan
+
+log = logging.getLogger("ckv_jax.prefetch")
+LOOKAHEAD_FORMATS = ("fp8_ds_mla", "nvfp4_ds_mla")
+
+
+def supports_lookahead(format) -> bool:
+    """Quantized native records can be prefetched; bf16 gathers synchronously (as upstream)."""
+    return formats.get(format).name in LOOKAHEAD_FORMATS
+
+
+def target_layers(layer: int, depth: int, registered, pending) -> list[int]:
+    """Layers to prefetch when entering `layer`: layer+1..layer+depth, skipping pending ones,
+    stopping at the first layer without a registered cache (or past the last layer).
+
+    registered: sequence whose entry i is truthy when layer i's cache is registered.
+    """
+    targets = []
+    for t in range(layer + 1, layer + depth + 1):
+        if t >= len(registered) or not registered[t]:
+            break
+        if t not in pending:
+            targets.append(t)
+    return targets
+
+
+class WorkspacePool:
+    """`lanes` rings of `slots` gathered slots u8[D * C, R], allocated once, replicated on the mesh."""
+
+    def __init__(self, mesh: jax.sharding.Mesh, plan: MemoryPlan, world_size: int, record_bytes: int):
+        if plan.lanes <= 0 or plan.slots <= 0:
+            raise ValueError(f"plan: expected positive lanes and slots, got {plan.lanes}, {plan.slots}")
+        self.plan = plan
+        rows = world_size * plan.capacity
+        sharding = NamedSharding(mesh, P())
+        self._rings = [[jax.device_put(jnp.zeros((rows, record_bytes), jnp.uint8), sharding)
+                        for _ in range(plan.slots)] for _ in range(plan.lanes)]
+        self._free = list(range(plan.lanes - 1, -1, -1))          # LIFO
+        self._leased: set[int] = set()
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"CKV prefetch workspace pool exhausted: more than {self.plan.lanes} execution "
+                               "lane(s) are in use; plan the pool with more ubatches / speculative lanes")
+        lane = self._free.pop()
+        self._leased.add(lane)
+        return lane
+
+    def release(self, lane: int):
+        if lane not in self._leased:
+            raise RuntimeError(f"CKV workspace lane {lane} is not leased")
+        self._leased.remove(lane)
+        self._free.append(lane)
+
+    def ring(self, lane: int) -> list:
+        return self._rings[lane]
+
+
+@dataclasses.dataclass
+class LaneState:
+    lane: int
+    caches: list = dataclasses.field(default_factory=list)     # layer -> registered cache or None
+    pending: dict = dataclasses.field(default_factory=dict)    # layer -> ring slot
+    last_layer: int | None = None
+
+    def registered(self) -> list[bool]:
+        return [c is not None and not c.is_deleted() for c in self.caches]
+
+
+class PrefetchOrchestrator:
+    """Depth-N prefetch for per-layer callers; see the module docstring."""
+
+    def __init__(self, mesh: jax.sharding.Mesh, layout: DcpLayout, format: str, *, max_num_seqs: int,
+                 config: GatherConfig = GatherConfig(), ubatches: int = 1, speculative: bool = False,
+                 axis_name: str = full_ckv.DCP_AXIS, implementation=None, interpret: bool = False):
+        self.fmt = formats.get(format)
+        self.layout = layout
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.config = config
+        self.memory = memory_plan(layout, self.fmt, max_num_seqs=max_num_seqs, config=config,
+                                  ubatches=ubatches, speculative=speculative)
+        self.depth = self.memory.depth if supports_lookahead(self.fmt) else 0
+        if self.memory.depth and not self.depth:
+            log.debug("format %s has no lookahead; gathering synchronously", self.fmt.name)
+        self.pool = WorkspacePool(mesh, self.memory, layout.world_size, self.fmt.record_bytes)
+        self.implementation = implementation
+        self.interpret = interpret
+        self._lanes: dict[Hashable, LaneState] = {}
+        self._plan: StepPlan | None = None
+        self._table = None
+        self.decisions: list[tuple] = []
+
+    @property
+    def slots(self) -> int:
+        return self.memory.slots
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes the engine must reserve before sizing its KV cache."""
+        return self.memory.total_bytes
+
+    # -- lanes ---------------------------------------------------------------------------------
+    def lane(self, key: Hashable = "target") -> LaneState:
+        if key not in self._lanes:
+            self._lanes[key] = LaneState(self.pool.acquire())
+        return self._lanes[key]
+
+    def close_lane(self, key: Hashable):
+        state = self._lanes.pop(key)
+        self.pool.release(state.lane)
+
+    def reset(self):
+        """The reset hook: drop every lane's cache bindings and pending prefetches, free all slots."""
+        for key in list(self._lanes):
+            self.close_lane(key)
+        self._plan = None
+
+    def slot(self, key: Hashable, index: int):
+        if not 0 <= index < self.slots:
+            raise ValueError(f"CKV gather buffer index {index} is outside [0, {self.slots})")
+        return self.pool.ring(self.lane(key).lane)[index]
+
+    # -- step ----------------------------------------------------------------------------------
+    def eligible(self, plan: StepPlan) -> bool:
+        if not plan.eligible:
+            log.debug("full-CKV gather not used this step: %s", plan.why)
+        return plan.eligible
+
+    def begin_step(self, plan: StepPlan, block_table):
+        """Start a step: pending prefetches of every lane are dropped, cache bindings kept."""
+        if plan.layout != self.layout:
+            raise ValueError(f"plan: expected layout {self.layout}, got {plan.layout}")
+        if plan.padded_tokens > self.memory.capacity:
+            raise ValueError(f"plan: P={plan.padded_tokens} exceeds the pool's capacity C={self.memory.capacity}")
+        full_ckv.check_block_table(plan, block_table)
+        replicated = NamedSharding(self.mesh, P())
+        self._plan = plan
+        self._table = jax.device_put(jnp.asarray(block_table), replicated)
+        self._local_cu = jax.device_put(jnp.asarray(plan.local_cu_seq_lens), replicated)
+        for state in self._lanes.values():
+            state.pending.clear()
+            state.last_layer = None
+        self.decisions = []
+
+    def enter_layer(self, layer: int, key: Hashable = "target"):
+        """A layer index at or below the last one restarts the step (a repeated or interrupted pass)."""
+        state = self.lane(key)
+        if state.last_layer is not None and layer <= state.last_layer:
+            state.pending.clear()
+        state.last_layer = layer
+
+    def gather(self, layer: int | None, cache, kv_c, k_pe, *, key: Hashable = "target"):
+        """The gathered workspace u8[D * C, R] of `layer` for this step, current chunk included.
+
+        cache: this layer's u8[D * num_blocks, block_size, R] (sharded) after the layer wrote its
+        chunk; kv_c / k_pe: the chunk (patched into a prefetched slot).  layer None: no lookahead.
+        """
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("CKV gather called before begin_step")
+        if not plan.eligible:
+            raise RuntimeError(f"CKV gather called for an ineligible step: {plan.why}")
+        state = self.lane(key)
+        if layer is None:                      # no layer index: no lookahead for this call
+            ws = self._gather_into(state, 0, cache)
+            self.decisions.append((key, None, "sync", ()))
+            return ws
+        self.enter_layer(layer, key)
+        while len(state.caches) <= layer:
+            state.caches.append(None)
+        state.caches[layer] = cache
+        if layer in state.pending:
+            index = state.pending.pop(layer)
+            ring = self.pool.ring(state.lane)
+            ring[index] = full_ckv.patch_current_chunk(ring[index], kv_c, k_pe, plan, self.fmt,
+                                                       implementation=self.implementation, interpret=self.interpret)
+            ws, how = ring[index], "prefetched"
+        else:
+            ws, how = self._gather_into(state, layer % self.slots, cache), "sync"
+        targets = target_layers(layer, self.depth, state.registered(), state.pending)
+        for t in targets:
+            self._gather_into(state, t % self.slots, state.caches[t])
+            state.pending[t] = t % self.slots
+        self.decisions.append((key, layer, how, tuple(targets)))
+        return ws
+
+    def _gather_into(self, state: LaneState, index: int, cache):
+        ring = self.pool.ring(state.lane)
+        ws = full_ckv.all_gather_ckv(cache, self._table, self._plan, mesh=self.mesh, format=self.fmt,
+                                     axis_name=self.axis_name, implementation=self.implementation,
+                                     interpret=self.interpret)
+        ring[index] = _into_slot(ring[index], ws)
+        return ring[index]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _into_slot(slot, ws):
+    return jax.lax.dynamic_update_slice_in_dim(slot, ws, 0, axis=0)

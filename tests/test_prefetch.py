@@ -1,0 +1,200 @@
+"""The per-layer prefetch orchestrator: upstream's checklist (upstream-system.md 7.2) in JAX terms."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dcp_scenario
+from ckv_jax import full_ckv
+from ckv_jax.dcp_layout import DcpLayout
+from ckv_jax.prefetch import PrefetchOrchestrator, supports_lookahead, target_layers
+from ckv_jax.prefetch_config import GatherConfig
+from ckv_jax.step_plan import build_step_plan
+from test_full_ckv import mesh_of
+
+FINAL_LENS = np.array([45, 40, 70])
+# two chunked-prefill steps after a prefix: positions [h, h + q) are written in each step
+STEPS = [(np.array([20, 0, 40]), np.array([17, 23, 18])), (np.array([37, 23, 58]), np.array([8, 17, 12]))]
+LAYERS = 4
+
+
+@pytest.mark.parametrize("depth, slots, targets", [(0, 1, []), (1, 2, [2]), (3, 4, [2, 3, 4])])
+def test_depth_controls_ring_and_targets(depth, slots, targets):
+    assert target_layers(1, depth, [True] * 6, {}) == targets
+    orch = _orchestrator(2, depth)
+    assert orch.slots == slots
+
+
+def test_targets_skip_pending_and_stop_at_first_unregistered_layer():
+    registered = [True, True, True, False, True]
+    assert target_layers(1, 3, registered, {2: 0}) == []
+    assert target_layers(1, 3, registered, {}) == [2]
+    assert target_layers(3, 2, [True] * 5, {}) == [4]          # past the last layer
+
+
+def test_native_record_formats_support_lookahead():
+    assert supports_lookahead("fp8_ds_mla") and supports_lookahead("nvfp4_ds_mla")
+    assert not supports_lookahead("bf16") and not supports_lookahead("auto")
+    assert _orchestrator(2, 2, fmt="bf16").depth == 0
+
+
+def _orchestrator(d, depth, fmt="fp8_ds_mla", **kw):
+    return PrefetchOrchestrator(mesh_of(d), DcpLayout(d, 1, 8), fmt, max_num_seqs=4,
+                                config=GatherConfig(enabled=True, depth=depth, workspace_mib=0, max_tokens=512), **kw)
+
+
+def test_slot_index_outside_the_ring_is_rejected():
+    orch = _orchestrator(2, 1)
+    assert orch.slot("target", 1).shape == (2 * orch.memory.capacity, 656)
+    with pytest.raises(ValueError, match=r"buffer index 2 is outside \[0, 2\)"):
+        orch.slot("target", 2)
+
+
+def test_pool_exhaustion_is_a_hard_error_and_lanes_are_isolated():
+    orch = _orchestrator(2, 1)
+    orch.lane("target")
+    with pytest.raises(RuntimeError, match="pool exhausted"):
+        orch.lane("draft")
+    spec = _orchestrator(2, 1, speculative=True)
+    assert spec.pool_bytes == 2 * spec.memory.lane_bytes
+    a, b = spec.lane("target"), spec.lane("draft")
+    assert a.lane != b.lane and spec.pool.ring(a.lane)[0] is not spec.pool.ring(b.lane)[0]
+
+
+def test_close_returns_the_lane_and_reset_drops_bindings():
+    orch = _orchestrator(2, 1)
+    lane = orch.lane("target").lane
+    ring = orch.pool.ring(lane)
+    orch.close_lane("target")
+    assert orch.lane("target").lane == lane and orch.pool.ring(lane) is ring
+    orch.lane("target").caches.append(jnp.zeros(3))
+    orch.reset()
+    assert not orch._lanes and orch.lane("target").caches == []
+
+
+class Engine:
+    """A torch-engine-like driver: per step and layer, write the chunk into the layer's paged
+    cache (the real writer, through the DCP slot mapping), then ask the orchestrator."""
+
+    def __init__(self, d, fmt, depth, seed=3):
+        self.layers = [dcp_scenario.build(d, 1, fmt, FINAL_LENS, FINAL_LENS, seed=seed, kv_seed=50 + l,
+                                          written=STEPS[0][0]) for l in range(LAYERS)]
+        self.mesh = mesh_of(d)
+        self.layout = self.layers[0].layout
+        self.caches = [full_ckv.place_caches(sc.caches, self.mesh) for sc in self.layers]
+        self.orch = PrefetchOrchestrator(self.mesh, self.layout, fmt, max_num_seqs=4,
+                                         config=GatherConfig(enabled=True, depth=depth, workspace_mib=0,
+                                                             max_tokens=512))
+
+    def chunk(self, l, hist, q):
+        sc = self.layers[l]
+        kv = np.concatenate([sc.kv_c[r][h:h + n] for r, (h, n) in enumerate(zip(hist, q))])
+        pe = np.concatenate([sc.k_pe[r][h:h + n] for r, (h, n) in enumerate(zip(hist, q))])
+        return jnp.asarray(kv), jnp.asarray(pe)
+
+    def write(self, l, plan, kv, pe):
+        self.caches[l] = full_ckv.write_records_dcp(self.caches[l], kv, pe, plan, self.layers[l].block_table,
+                                                    mesh=self.mesh, format=self.layers[l].fmt)
+
+    def step(self, hist, q, layers=range(LAYERS)):
+        plan = build_step_plan(self.layout, hist + q, q, max_num_seqs=4, min_tokens=1)
+        self.orch.begin_step(plan, self.layers[0].block_table)
+        return plan, self.run_layers(plan, hist, q, layers)
+
+    def run_layers(self, plan, hist, q, layers):
+        out = []
+        rows = plan.world_size * plan.padded_tokens
+        for l in layers:
+            kv, pe = self.chunk(l, hist, q)
+            self.write(l, plan, kv, pe)
+            out.append(np.asarray(self.orch.gather(l, self.caches[l], kv, pe))[:rows])
+        return out
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "nvfp4_ds_mla"])
+@pytest.mark.parametrize("d", [2, 4])
+def test_every_depth_gives_the_synchronous_bytes_over_chunked_steps(d, fmt):
+    results = {}
+    for depth in (0, 1, 2, 3):
+        engine = Engine(d, fmt, depth)
+        per_step = []
+        for s, (hist, q) in enumerate(STEPS):
+            plan, workspaces = engine.step(hist, q)
+            for l, ws in enumerate(workspaces):
+                want = dcp_scenario.expected_workspace(engine.layers[l], seq_lens=hist + q, plan=plan)
+                np.testing.assert_array_equal(ws, want, err_msg=f"depth {depth} step {s} layer {l}")
+            per_step.append(list(engine.orch.decisions))
+        results[depth] = per_step
+    # the first step only discovers caches; later steps prefetch depth layers ahead
+    assert all(how == "sync" and not targets for _, _, how, targets in results[2][0])
+    assert [how for _, _, how, _ in results[2][1]] == ["sync", "prefetched", "prefetched", "prefetched"]
+    assert results[2][1][0][3] == (1, 2) and results[3][1][0][3] == (1, 2, 3)
+
+
+def test_interrupted_step_recovers_without_consuming_a_stale_slot():
+    engine = Engine(2, "fp8_ds_mla", depth=2)
+    engine.step(*STEPS[0])
+    hist, q = STEPS[1]
+    plan, _ = engine.step(hist, q, layers=[0, 1])               # interrupted after layer 1
+    assert set(engine.orch.lane("target").pending) == {2, 3}      # layers 2 and 3 were in flight
+    # a repeated pass from layer 0 without begin_step restarts the step: nothing pending is used
+    again = engine.run_layers(plan, hist, q, range(LAYERS))
+    restart = [d for d in engine.orch.decisions if d[1] == 0][-1]
+    assert restart[2] == "sync"
+    for l, ws in enumerate(again):
+        np.testing.assert_array_equal(ws, dcp_scenario.expected_workspace(engine.layers[l], seq_lens=hist + q,
+                                                                          plan=plan))
+
+
+def test_begin_step_drops_prefetches_of_an_unfinished_step():
+    engine = Engine(2, "nvfp4_ds_mla", depth=3)
+    engine.step(*STEPS[0])
+    hist, q = STEPS[1]
+    engine.step(hist, q, layers=[0])                            # layers 1..3 prefetched, never consumed
+    assert engine.orch.lane("target").pending
+    plan = build_step_plan(engine.layout, hist + q, q, max_num_seqs=4, min_tokens=1)
+    engine.orch.begin_step(plan, engine.layers[0].block_table)
+    assert not engine.orch.lane("target").pending and engine.orch.decisions == []
+    out = engine.run_layers(plan, hist, q, range(LAYERS))
+    for l, ws in enumerate(out):
+        np.testing.assert_array_equal(ws, dcp_scenario.expected_workspace(engine.layers[l], seq_lens=hist + q,
+                                                                          plan=plan))
+
+
+def test_every_rank_takes_the_same_decisions():
+    """Decisions are a function of the call sequence: two orchestrators driven alike agree."""
+    logs = []
+    for _ in range(2):
+        engine = Engine(2, "nvfp4_ds_mla", depth=2)
+        for hist, q in STEPS:
+            engine.step(hist, q)
+        logs.append(list(engine.orch.decisions))
+    assert logs[0] == logs[1] and any(how == "prefetched" for _, _, how, _ in logs[0])
+
+
+def test_ineligible_step_and_missing_begin_step_raise():
+    orch = _orchestrator(2, 1)
+    with pytest.raises(RuntimeError, match="before begin_step"):
+        orch.gather(0, None, None, None)
+    plan = build_step_plan(DcpLayout(2, 1, 8), np.array([30, 8]), np.array([10, 1]), max_num_seqs=4)
+    orch.begin_step(plan, np.zeros((2, 4), np.int32))
+    assert not orch.eligible(plan)
+    with pytest.raises(RuntimeError, match="ineligible step: not a pure prefill"):
+        orch.gather(0, None, None, None)
+
+
+def test_missing_layer_index_gathers_synchronously_and_lanes_keep_their_own_pending():
+    engine = Engine(2, "fp8_ds_mla", depth=1)
+    engine.orch = PrefetchOrchestrator(engine.mesh, engine.layout, "fp8_ds_mla", max_num_seqs=4, speculative=True,
+                                       config=GatherConfig(enabled=True, depth=1, workspace_mib=0, max_tokens=512))
+    engine.step(*STEPS[0])
+    hist, q = STEPS[1]
+    plan, _ = engine.step(hist, q, layers=[0])                 # target lane: layer 1 pending
+    kv, pe = engine.chunk(2, hist, q)
+    ws = engine.orch.gather(None, engine.caches[2], kv, pe, key="draft")   # no layer index, other lane
+    assert engine.orch.decisions[-1] == ("draft", None, "sync", ())
+    assert set(engine.orch.lane("target").pending) == {1} and not engine.orch.lane("draft").pending
+    want = dcp_scenario.expected_workspace(engine.layers[2], seq_lens=hist + q, plan=plan)
+    got = np.asarray(ws)[:len(want)]
+    keep = np.setdiff1d(np.arange(len(got)), full_ckv.chunk_rows(plan))   # layer 2 has not written its chunk
+    np.testing.assert_array_equal(got[keep], want[keep])
