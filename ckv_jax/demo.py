@@ -1,98 +1,229 @@
-"""`ckv-jax demo`: write CKV records into a paged cache on every local device and read them back.
+"""`ckv-jax demo`: a GLM-5-shaped sparse-MLA prefill through the full-CKV DCP path.
 
-For each device and format: random kv_c/k_pe, a random slot mapping with skipped (-1) tokens,
-a cache filled with random bytes (so stray writes show), the automatic writer implementation;
-then every written record must equal the XLA reference encoding byte for byte, every other row
-must be unchanged, and the decoded values must be within the format's rounding bound.
+A small stack of MLA layers (512-wide latent + 64 RoPE, `--format` records, random weights)
+prefills requests chunk by chunk on top of a cached prefix.  Each step writes the chunk into
+every layer's DCP-sharded paged cache, all-gathers the CKV with depth-N cross-layer prefetch,
+remaps a global top-k (a seeded stand-in for the indexer) and runs each rank's own heads over
+the gathered workspace.  Every step is run at depth 0 and at `--depth`, and checked: both must
+give bit-identical outputs, and match a single-device reference that attends over the records in
+global token order without DCP.  With no accelerator the demo builds a virtual mesh of `--dcp`
+CPU devices itself; on GPUs it uses them.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from ckv_jax import formats, paged_cache
-from pallas_kernels import cache_writer
+
+def _configure_devices(dcp: int):
+    import jax
+    try:                       # before any backend starts: a virtual CPU mesh when there is no GPU
+        jax.config.update("jax_num_cpu_devices", max(dcp, 1))
+    except RuntimeError:
+        pass
 
 
-def roundtrip_error_bound(fmt: formats.RecordFormat, kv_c: np.ndarray) -> np.ndarray:
-    """Per-element bound on |decode(encode(x)) - x| for the NoPE part (f32[T, nope_dim])."""
-    x = np.abs(kv_c.astype(np.float32))
-    if not fmt.quantized:
-        return x * 2.0 ** -8
-    block = fmt.layout.quant_block
-    amax = np.repeat(x.reshape(x.shape[0], -1, block).max(-1), block, axis=1)
-    if fmt.layout.kind == "fp8_tiles":     # half an e4m3 ulp, or half the smallest subnormal step
-        return np.maximum(x * 2.0 ** -4, amax / 448.0 * 2.0 ** -10) * 1.0001
-    # nvfp4: the e4m3 group scale is amax/6 within 1/16 (2**-10 absolute when subnormal); the top
-    # e2m1 step spans two scale units; saturation at 6 loses at most 6 * 2**-10
-    return amax / 6.0 * 1.0625 + 6.0 * 2.0 ** -10
+@dataclasses.dataclass
+class Model:
+    params: list
+    heads: int
+    d_model: int
+    sm_scale: float
 
 
-def check_one(device: jax.Device, fmt: formats.RecordFormat, tokens: int, block_size: int,
-              rng: np.random.Generator) -> dict:
-    num_blocks = -(-int(tokens * 1.25) // block_size)
-    num_slots = num_blocks * block_size
-    kv_c = (rng.standard_normal((tokens, fmt.nope_dim)) * rng.uniform(0.05, 20.0, (tokens, 1))).astype(jnp.bfloat16)
-    k_pe = rng.standard_normal((tokens, fmt.rope_dim)).astype(jnp.bfloat16)
-    slots = rng.permutation(num_slots)[:tokens].astype(np.int32)
-    slots[rng.random(tokens) < 1 / 16] = -1
-    poison = rng.integers(0, 256, (num_blocks, block_size, fmt.record_bytes), dtype=np.uint8)
+def make_model(layers, heads, d_model, rng):
+    import jax.numpy as jnp
+    params = [dict(w_kv=jnp.asarray(rng.standard_normal((d_model, 576)) * 0.3, jnp.float32),
+                   w_q=jnp.asarray(rng.standard_normal((d_model, heads * 576)) * 0.1, jnp.float32),
+                   w_o=jnp.asarray(rng.standard_normal((heads * 512, d_model)) * 0.01, jnp.float32))
+              for _ in range(layers)]
+    return Model(params, heads, d_model, 576 ** -0.5)
 
-    put = lambda x: jax.device_put(x, device)
-    impl = cache_writer.choose(None, device, poison.size).name
-    expected = np.asarray(fmt.encode(put(kv_c), put(k_pe)))
-    start = time.perf_counter()
-    cache = paged_cache.write_records(put(poison), put(kv_c), put(k_pe), put(slots), fmt)
-    cache.block_until_ready()
-    seconds = time.perf_counter() - start
 
-    written = slots >= 0
-    got = np.asarray(paged_cache.read_records(cache, put(slots)))
-    bytes_ok = bool(np.array_equal(got[written], expected[written]))
-    untouched = np.ones(num_slots, bool)
-    untouched[slots[written]] = False
-    rest_ok = bool(np.array_equal(np.asarray(cache).reshape(num_slots, -1)[untouched],
-                                  poison.reshape(num_slots, -1)[untouched]))
-    decoded = np.asarray(fmt.decode(put(got[written])))
-    err = np.abs(decoded[:, :fmt.nope_dim] - kv_c[written].astype(np.float32))
-    err_ok = bool((err <= roundtrip_error_bound(fmt, kv_c[written])).all())
-    rope_ok = bool(np.array_equal(decoded[:, fmt.nope_dim:], k_pe[written].astype(np.float32)))
-    return dict(device=f"{device.platform}:{device.id}", format=fmt.name, record_bytes=fmt.record_bytes,
-                written=int(written.sum()), skipped=int((~written).sum()), implementation=impl,
-                seconds=seconds, ok=bytes_ok and rest_ok and err_ok and rope_ok,
-                detail=f"bytes={'ok' if bytes_ok else 'DIFF'} rest={'ok' if rest_ok else 'DIFF'} "
-                       f"roundtrip={'ok' if err_ok and rope_ok else 'OUT OF BOUND'}")
+def mla_layer(model, fmt, dcp, axis):
+    """The layer as one DCP rank sees it: its own heads, all-gathered before the output projection."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from ckv_jax import sparse_mla
+    from ckv_jax.pipelined_prefill import MlaLayer
+    local = model.heads // dcp
+
+    def project(p, x):
+        q = (x @ p["w_q"]).reshape(x.shape[0], model.heads, 576)
+        q = lax.dynamic_slice_in_dim(q, lax.axis_index(axis) * local, local, axis=1)
+        kv = x @ p["w_kv"]
+        return q.astype(jnp.bfloat16), kv[:, :512].astype(jnp.bfloat16), kv[:, 512:].astype(jnp.bfloat16)
+
+    def attend(q, workspace, indices, counts):
+        out, _ = sparse_mla._attend_f32(q, workspace, indices, counts, model.sm_scale, fmt.layout)
+        return out.astype(jnp.bfloat16)
+
+    def finish(p, x, out):
+        heads = lax.all_gather(out, axis, axis=1, tiled=True)
+        return x + heads.reshape(x.shape[0], -1).astype(jnp.float32) @ p["w_o"]
+
+    return MlaLayer(project, attend, finish)
+
+
+def reference_step(model, fmt, x, records, plan, topks):
+    """One device, no DCP: every layer attends all heads over its records in global token order.
+
+    records: per layer, per request u8[len, R] (history); the chunk's records are appended here.
+    """
+    import jax.numpy as jnp
+
+    from ckv_jax import sparse_mla
+    pos = plan.positions()
+    for l, p in enumerate(model.params):
+        q = (x @ p["w_q"]).reshape(x.shape[0], model.heads, 576).astype(jnp.bfloat16)
+        kv = x @ p["w_kv"]
+        chunk = np.asarray(fmt.encode(kv[:, :512].astype(jnp.bfloat16), kv[:, 512:].astype(jnp.bfloat16)))
+        starts = plan.query_start_loc
+        for r in range(plan.num_reqs):
+            records[l][r] = np.concatenate([records[l][r], chunk[starts[r]:starts[r + 1]]])
+        offsets = np.concatenate([[0], np.cumsum([len(rr) for rr in records[l]])])
+        flat = np.concatenate(records[l])
+        topk = topks[l]
+        keep = (topk >= 0) & (topk <= pos[:, None])
+        rows = np.where(keep, offsets[plan.req_id_per_token][:, None] + topk, -1)
+        order = np.argsort(~keep, axis=1, kind="stable")           # kept entries first, in order
+        rows = np.take_along_axis(rows, order, axis=1).astype(np.int32)
+        out, _ = sparse_mla.sparse_mla_reference(q, jnp.asarray(flat), jnp.asarray(rows),
+                                                 jnp.asarray(keep.sum(1).astype(np.int32)), model.sm_scale,
+                                                 format=fmt.name)
+        x = x + out.reshape(x.shape[0], -1).astype(jnp.float32) @ p["w_o"]
+    return x
+
+
+def run(args) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from ckv_jax import formats, full_ckv
+    from ckv_jax.dcp_layout import DcpLayout
+    from ckv_jax.pipelined_prefill import prefill_layers
+    from ckv_jax.prefetch_config import GatherConfig, memory_plan
+    from ckv_jax.step_plan import build_step_plan
+
+    fmt = formats.get(args.format)
+    devices = jax.devices() if jax.default_backend() != "cpu" else jax.devices("cpu")
+    dcp = args.dcp or len(devices)
+    if dcp > len(devices):
+        print(f"--dcp {dcp}: only {len(devices)} {devices[0].platform} device(s)", file=sys.stderr)
+        return 2
+    if args.heads % dcp:
+        print(f"--heads {args.heads} must be divisible by --dcp {dcp}", file=sys.stderr)
+        return 2
+    mesh = jax.make_mesh((dcp,), (full_ckv.DCP_AXIS,), devices=devices[:dcp])
+    layout = DcpLayout(dcp, 1, args.block_size)
+    rng = np.random.default_rng(args.seed)
+    model = make_model(args.layers, args.heads, args.d_model, rng)
+    layer = mla_layer(model, fmt, dcp, full_ckv.DCP_AXIS)
+
+    reqs = args.requests
+    prefix = args.context // 4
+    lens = np.full(reqs, args.context)
+    blocks_per_rank = -(-(-(-args.context // dcp)) // args.block_size) + 1
+    num_blocks = reqs * blocks_per_rank
+    table = rng.permutation(num_blocks).reshape(reqs, blocks_per_rank).astype(np.int32)
+    cfg = GatherConfig(enabled=True, depth=args.depth, workspace_mib=0, max_tokens=args.context * reqs)
+    mem = memory_plan(layout, fmt, max_num_seqs=reqs, config=cfg)
+    caches = [full_ckv.place_caches([np.zeros((num_blocks, args.block_size, fmt.record_bytes), np.uint8)] * dcp, mesh)
+              for _ in range(args.layers)]
+    records = [[np.zeros((0, fmt.record_bytes), np.uint8) for _ in range(reqs)] for _ in range(args.layers)]
+
+    # the cached prefix: every layer's records of positions [0, prefix), written through the DCP writer
+    plan0 = build_step_plan(layout, np.full(reqs, prefix), np.full(reqs, prefix), max_num_seqs=reqs)
+    for l in range(args.layers):
+        kv = (rng.standard_normal((plan0.num_tokens, 512)) * 2).astype(jnp.bfloat16)
+        pe = rng.standard_normal((plan0.num_tokens, 64)).astype(jnp.bfloat16)
+        caches[l] = full_ckv.write_records_dcp(caches[l], jnp.asarray(kv), jnp.asarray(pe), plan0, table,
+                                               mesh=mesh, format=fmt)
+        enc = np.asarray(fmt.encode(jnp.asarray(kv), jnp.asarray(pe)))
+        for r in range(reqs):
+            records[l][r] = enc[plan0.query_start_loc[r]:plan0.query_start_loc[r + 1]]
+
+    print(f"ckv-jax demo: {args.layers} layers, {reqs} request(s) x {args.context} tokens ({prefix} cached, "
+          f"chunks of {args.chunk}), {fmt.name}, DCP {dcp} on {devices[0].platform}, depth {args.depth}", flush=True)
+    rows, ok_all, done = [], True, prefix
+    while done < args.context:
+        q_len = min(args.chunk, args.context - done)
+        plan = build_step_plan(layout, np.full(reqs, done + q_len), np.full(reqs, q_len), max_num_seqs=reqs,
+                               max_tokens=cfg.max_tokens)
+        pos = plan.positions()
+        topks = []
+        for _ in range(args.layers):
+            k = np.full((plan.num_tokens, args.topk), -1, np.int32)
+            for t, p in enumerate(pos):
+                n = min(args.topk, p + 1)
+                k[t, :n] = rng.choice(p + 1, size=n, replace=False)
+            topks.append(k)
+        remapped = [full_ckv.remap_topk(jnp.asarray(k), plan) for k in topks]
+        idx = jnp.stack([i for i, _ in remapped])
+        cnt = jnp.stack([c for _, c in remapped])
+        x = jnp.asarray(rng.standard_normal((plan.num_tokens, args.d_model)), jnp.float32)
+        outs = {}
+        for depth in sorted({0, args.depth}):
+            trial = [jnp.array(c) for c in caches]       # each depth starts from the same caches
+            trial = [jax.device_put(c, cc.sharding) for c, cc in zip(trial, caches)]
+            start = time.perf_counter()
+            x_out, new_caches = prefill_layers(x, trial, model.params, table, plan, idx, cnt, layer=layer,
+                                               depth=depth, mesh=mesh, format=fmt)
+            x_out = np.asarray(jax.block_until_ready(x_out))
+            outs[depth] = (x_out, new_caches, time.perf_counter() - start)
+        caches = outs[args.depth][1]
+        ref = np.asarray(reference_step(model, fmt, x, records, plan, topks))
+        same = np.array_equal(outs[0][0], outs[args.depth][0])
+        scale = np.abs(ref - np.asarray(x)).max()
+        err = np.abs(outs[args.depth][0] - ref).max()
+        close = err <= 0.02 * scale + 1e-6
+        ok = same and close
+        ok_all &= ok
+        gathered = args.layers * dcp * plan.padded_tokens * fmt.record_bytes
+        rows.append((done, q_len, plan.padded_tokens, gathered, outs[args.depth][2], same, err / max(scale, 1e-30), ok))
+        print(f"  step at {done:>6} tokens: depth {args.depth} == depth 0: {same}; "
+              f"vs single device: max err {err:.2e} of {scale:.2e}", flush=True)
+        done += q_len
+
+    print(f"\n{'context':>8} {'chunk':>6} {'D':>3} {'depth':>5} {'P':>6} {'gathered MB':>11} {'ring MiB':>9} "
+          f"{'wall s*':>7} {'rel err':>8}  result")
+    for done_, q_len, pad, gathered, secs, same, rel, ok in rows:
+        print(f"{done_ + q_len:>8} {q_len:>6} {dcp:>3} {args.depth:>5} {pad:>6} {gathered / 1e6:>11.2f} "
+              f"{mem.lane_bytes / 2**20:>9.1f} {secs:>7.2f} {rel:>8.1e}  {'match' if ok else 'MISMATCH'}")
+    print("* wall time of the step at --depth, compilation included (every step has new shapes)")
+    print(f"\n{args.layers} layers x {len(rows)} steps: " + ("all steps match" if ok_all else "MISMATCH"))
+    return 0 if ok_all else 1
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="ckv-jax demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=4096, help="tokens written per device and format")
-    ap.add_argument("--block-size", type=int, default=64, help="tokens per cache page")
-    ap.add_argument("--format", action="append", choices=formats.names(),
-                    help="record format (repeatable; default: all)")
+    ap.add_argument("--format", default="fp8_ds_mla", choices=["fp8_ds_mla", "nvfp4_ds_mla", "bf16"],
+                    help="record format of the paged caches")
+    ap.add_argument("--dcp", type=int, default=None,
+                    help="DCP ranks (default: 4 virtual CPU devices without an accelerator, else every GPU)")
+    ap.add_argument("--depth", type=int, default=2, help="layers gathered ahead (checked against depth 0)")
+    ap.add_argument("--layers", type=int, default=4, help="MLA layers")
+    ap.add_argument("--context", type=int, default=768, help="tokens per request at the end of the prefill")
+    ap.add_argument("--chunk", type=int, default=192, help="tokens per prefill step (after a 1/4 cached prefix)")
+    ap.add_argument("--requests", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=8, help="query heads (divisible by --dcp)")
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--topk", type=int, default=64, help="indexer top-k per query token")
+    ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.tokens <= 0 or args.block_size <= 0:
-        ap.error("--tokens and --block-size must be positive")
-    rng = np.random.default_rng(args.seed)
-    rows = []
-    devices = jax.local_devices()
-    print(f"ckv-jax demo: {args.tokens} tokens per format on {len(devices)} device(s) "
-          f"({jax.default_backend()}), {args.block_size}-token pages", flush=True)
-    for device in devices:
-        for name in args.format or formats.names():
-            row = check_one(device, formats.get(name), args.tokens, args.block_size, rng)
-            rows.append(row)
-            print(f"  {row['device']:<8} {row['format']:<13} {row['detail']}", flush=True)
-    print(f"\n{'device':<8} {'format':<13} {'B/rec':>6} {'written':>8} {'skipped':>8} "
-          f"{'implementation':<15} {'write s':>8}  result")
-    for r in rows:
-        print(f"{r['device']:<8} {r['format']:<13} {r['record_bytes']:>6} {r['written']:>8} {r['skipped']:>8} "
-              f"{r['implementation']:<15} {r['seconds']:>8.3f}  {'match' if r['ok'] else 'MISMATCH'}")
-    bad = [r for r in rows if not r["ok"]]
-    print("\nall records match" if not bad else f"\n{len(bad)} MISMATCH(ES)")
-    return 1 if bad else 0
+    for name in ("depth",):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name} must be >= 0")
+    for name in ("layers", "context", "chunk", "requests", "heads", "d_model", "topk", "block_size"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.dcp is not None and args.dcp <= 0:
+        ap.error("--dcp must be positive")
+    _configure_devices(args.dcp or 4)
+    return run(args)

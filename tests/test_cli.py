@@ -14,12 +14,14 @@ def _run(*args, timeout=300):
                           timeout=timeout, env=env)
 
 
-def test_demo_writes_and_reads_back_every_format():
-    proc = _run("demo", "--tokens", "300", "--block-size", "16")
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "nvfp4_ds_mla"])
+def test_demo_runs_a_dcp_prefill_and_checks_it(fmt):
+    proc = _run("demo", "--format", fmt, "--dcp", "2", "--depth", "1", "--layers", "2", "--context", "96",
+                "--chunk", "32", "--requests", "1", "--heads", "2", "--topk", "16", "--block-size", "16")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "all records match" in proc.stdout
-    for name in ("fp8_ds_mla", "nvfp4_ds_mla", "bf16"):
-        assert f" {name} " in proc.stdout
+    assert "DCP 2 on cpu, depth 1" in proc.stdout
+    assert "2 layers x 3 steps: all steps match" in proc.stdout
+    assert proc.stdout.count("depth 1 == depth 0: True") == 3
 
 
 def test_env_reports_versions_and_lowering():
@@ -32,5 +34,7 @@ def test_env_reports_versions_and_lowering():
 
 def test_cli_rejects_unknown_command_and_bad_flags():
     assert _run("bogus").returncode == 2
-    proc = _run("demo", "--tokens", "0")
-    assert proc.returncode == 2 and "--tokens and --block-size must be positive" in proc.stderr
+    proc = _run("demo", "--chunk", "0")
+    assert proc.returncode == 2 and "--chunk must be positive" in proc.stderr
+    proc = _run("demo", "--dcp", "3", "--heads", "8")
+    assert proc.returncode == 2 and "--heads 8 must be divisible by --dcp 3" in proc.stderr
