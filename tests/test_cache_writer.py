@@ -217,3 +217,17 @@ def test_validation_env_value_must_be_boolean(monkeypatch):
     monkeypatch.setenv("CKV_JAX_VALIDATE", "sometimes")
     with pytest.raises(ValueError, match="CKV_JAX_VALIDATE: expected 0/1/true/false, got 'sometimes'"):
         ckv_jax.write_records(**_good())
+
+
+def test_empty_cache_and_read_records_round_trip():
+    cache = ckv_jax.empty_cache(3, 4, "nvfp4_ds_mla")
+    assert cache.shape == (3, 4, 432) and cache.dtype == jnp.uint8 and int(cache.max()) == 0
+    kv_c, k_pe = random_kv(np.random.default_rng(4), 5)
+    slots = np.array([11, 0, -1, 6, 3], np.int32)
+    cache = ckv_jax.write_records(cache, jnp.asarray(kv_c), jnp.asarray(k_pe), jnp.asarray(slots), "nvfp4_ds_mla")
+    got = np.asarray(ckv_jax.read_records(cache, jnp.asarray([6, -1, 11, 12, 3], jnp.int32)))
+    want = oracle_records("nvfp4_ds_mla", kv_c, k_pe)
+    assert_bytes_equal(got[[0, 2, 4]], want[[3, 0, 4]])
+    assert got[[1, 3]].max() == 0, "slot -1 and slots past the cache read as zeros"
+    with pytest.raises(ValueError, match="num_blocks, block_size: expected positive sizes"):
+        ckv_jax.empty_cache(0, 4, "bf16")
