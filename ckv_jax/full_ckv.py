@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ckv_jax import formats, validation
 from ckv_jax.step_plan import StepPlan
-from pallas_kernels import cache_writer, paged_gather
+from pallas_kernels import _registry, cache_writer, paged_gather
 
 DCP_AXIS = "dcp"
 
@@ -198,8 +198,7 @@ def patch_current_chunk(workspace, kv_c, k_pe, plan: StepPlan, format: str | for
     if validation.check_values(fmt, kv_c, k_pe) != plan.num_tokens:
         raise ValueError(f"kv_c: expected [{plan.num_tokens}, {fmt.nope_dim}] (the step's query tokens), "
                          f"got {validation.describe(kv_c)}")
-    impl = cache_writer.choose(implementation, jax.devices()[0] if isinstance(workspace, jax.core.Tracer)
-                               else next(iter(workspace.devices())), workspace.size, interpret=interpret)
+    impl = cache_writer.choose(implementation, _registry.device_of(workspace), workspace.size, interpret=interpret)
     return _patch_jit(workspace, kv_c, k_pe, jnp.asarray(chunk_rows(plan)), layout=fmt.layout,
                       run=impl.run, interpret=interpret)
 

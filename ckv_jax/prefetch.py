@@ -193,6 +193,9 @@ class PrefetchOrchestrator:
 
         cache: this layer's u8[D * num_blocks, block_size, R] (sharded) after the layer wrote its
         chunk; kv_c / k_pe: the chunk (patched into a prefetched slot).  layer None: no lookahead.
+        The returned array is the ring slot itself: it stays valid until the slot is reused
+        (depth + 1 layers later, or the next step), when it is donated to the next gather and
+        JAX raises on any further use of it.
         """
         plan = self._plan
         if plan is None:
