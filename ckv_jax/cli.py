@@ -1,4 +1,4 @@
-"""The `ckv-jax` command: `env` and `demo`."""
+"""The `ckv-jax` command: `env`, `demo`, `bench`, `plot`."""
 from __future__ import annotations
 
 import argparse
@@ -8,14 +8,21 @@ import sys
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="ckv-jax", description="CKV cache records for sparse-MLA models under DCP")
-    ap.add_argument("command", choices=["env", "demo"], help="env: versions, devices, lowering; "
-                    "demo: write and read back records on every device")
+    ap.add_argument("command", choices=["env", "demo", "bench", "plot"],
+                    help="env: versions, devices, lowering; demo: a DCP prefill with depth-N prefetch, checked; "
+                         "bench: kernel sweeps and prefill step times to JSON; plot: PNG charts of that JSON")
     args, rest = ap.parse_known_args(argv[:1])
     if args.command == "env":
         from ckv_jax import env_report
         if argv[1:]:
             ap.error(f"env takes no arguments, got {argv[1:]}")
         return env_report.main()
+    if args.command == "bench":
+        from ckv_jax.benchmarks import suite
+        return suite.main(argv[1:])
+    if args.command == "plot":
+        from ckv_jax.benchmarks import plot
+        return plot.main(argv[1:])
     from ckv_jax import demo
     return demo.main(argv[1:])
 

@@ -77,20 +77,28 @@ def prefill_layers(x, caches: Sequence[jax.Array], params: Sequence[Any], block_
     arrays = _step_arrays(plan, block_table)
     if implementation is not None and not isinstance(implementation, str):
         implementation = tuple(implementation)
+    rep = P()
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, rep))
+    args = (put(x), list(caches), jax.tree.map(put, list(params)), put(jnp.asarray(arrays["table"])),
+            put(jnp.asarray(arrays["local_cu"])), put(jnp.asarray(arrays["slots"])), put(jnp.asarray(arrays["rows"])),
+            put(jnp.asarray(topk_indices)), put(jnp.asarray(topk_counts)))
+    fn = _compiled_loop(mesh, axis_name, num_layers, layer, depth, plan.padded_tokens, fmt.layout, implementation,
+                        interpret, return_workspaces)
+    return fn(*args)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_loop(mesh, axis_name, num_layers, layer, depth, num_rows, layout, implementation, interpret,
+                   return_workspaces):
+    """One jitted program per static configuration, so repeated steps do not retrace."""
     body = functools.partial(
-        _loop, layer=layer, depth=depth, num_rows=plan.padded_tokens, layout=fmt.layout, axis_name=axis_name,
+        _loop, layer=layer, depth=depth, num_rows=num_rows, layout=layout, axis_name=axis_name,
         implementation=implementation, interpret=interpret, return_workspaces=return_workspaces)
     rep = P()
     in_specs = (rep, [P(axis_name)] * num_layers, rep, rep, rep, rep, rep, rep, rep)
     out_specs = (rep, [P(axis_name)] * num_layers) + ((rep,) if return_workspaces else ())
-    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-    args = (put(x, rep), list(caches), jax.tree.map(lambda a: put(a, rep), list(params)),
-            put(jnp.asarray(arrays["table"]), rep), put(jnp.asarray(arrays["local_cu"]), rep),
-            put(jnp.asarray(arrays["slots"]), rep), put(jnp.asarray(arrays["rows"]), rep),
-            put(jnp.asarray(topk_indices), rep), put(jnp.asarray(topk_counts), rep))
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False),
-                 donate_argnums=(1,))
-    return fn(*args)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False),
+                   donate_argnums=(1,))
 
 
 def _loop(x, caches, params, table, local_cu, slots, rows, indices, counts, *, layer, depth, num_rows,

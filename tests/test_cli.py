@@ -39,3 +39,23 @@ def test_cli_rejects_unknown_command_and_bad_flags():
     assert proc.returncode == 2 and "--chunk must be positive" in proc.stderr
     proc = _run("demo", "--dcp", "3", "--heads", "8")
     assert proc.returncode == 2 and "--heads 8 must be divisible by --dcp 3" in proc.stderr
+
+
+def test_bench_writes_json_and_plot_writes_pngs(tmp_path):
+    out = tmp_path / "results.json"
+    proc = _run("bench", "--ops", "writer,gather,patch,prefill", "--tokens", "128", "--formats", "nvfp4_ds_mla",
+                "--patterns", "random", "--chunk", "32", "--depths", "0,1", "--layers", "1", "--context", "128",
+                "--repeats", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+    data = json.loads(out.read_text())
+    assert data["backend"] == "cpu" and data["command"].startswith("ckv-jax bench")
+    ops = {r["op"] for r in data["results"]}
+    assert ops == {"write_records", "gather_raw", "gather_dequant", "patch", "prefill_step"}
+    assert all(r["exact"] for r in data["results"])
+    assert [r["depth"] for r in data["results"] if r["op"] == "prefill_step"] == [0, 1]
+    proc = _run("plot", str(out), "--out-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("bandwidth.png", "prefill_depth.png"):
+        png = (tmp_path / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
