@@ -44,7 +44,7 @@ def test_cli_rejects_unknown_command_and_bad_flags():
 def test_bench_writes_json_and_plot_writes_pngs(tmp_path):
     out = tmp_path / "results.json"
     proc = _run("bench", "--ops", "writer,gather,patch,prefill", "--tokens", "128", "--formats", "nvfp4_ds_mla",
-                "--patterns", "random", "--chunk", "32", "--depths", "0,1", "--layers", "1", "--context", "128",
+                "--patterns", "random", "--chunk", "32", "--prefill-chunk", "32", "--depths", "0,1", "--layers", "1", "--context", "128",
                 "--repeats", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     import json

@@ -1,11 +1,11 @@
 """`ckv-jax bench`: the kernel sweeps and the pipelined prefill, one JSON file.
 
   ckv-jax bench [--ops writer,gather,patch,prefill] [--tokens 65536,262144] [--formats fp8_ds_mla]
-                [--depths 0,1,2,3] [--out results.json]
+                [--depths 0,1,2,3] [--context 32768] [--prefill-chunk 1024] [--out results.json]
 
 Every kernel figure is validated against its reference before it is timed and sits beside its
 baselines from the same run (see writer.py and gather.py); `patch` times the current-chunk patch
-(a scatter of `--chunk` re-encoded tokens into a gathered workspace of `tokens` rows per rank);
+(a scatter of `--chunk` re-encoded tokens into a gathered workspace of 4 * `tokens` rows);
 `prefill` times one step of `prefill_layers` per depth on the local devices (host clock around a
 jitted call of several milliseconds, median of 3, after a warm-up call).  `ckv-jax plot` renders
 the JSON.
@@ -128,7 +128,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="65536,262144,1048576", help="tokens per op (per rank shard for gathers)")
     ap.add_argument("--formats", default="fp8_ds_mla,nvfp4_ds_mla")
     ap.add_argument("--patterns", default="sequential,random", help="writer slot patterns")
-    ap.add_argument("--chunk", type=int, default=8192, help="current-chunk tokens for patch and prefill")
+    ap.add_argument("--chunk", type=int, default=8192, help="current-chunk tokens of the patch")
+    ap.add_argument("--prefill-chunk", type=int, default=1024,
+                    help="query tokens of the prefill step (its reference attention materializes "
+                         "[chunk, 2048, 576] float32 per layer)")
     ap.add_argument("--depths", default="0,1,2,3")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--context", type=int, default=32768, help="prefill context tokens")
@@ -155,7 +158,7 @@ def main(argv=None) -> int:
             results += patch_results(tokens, names, args.chunk, args.repeats, quiet)
         else:
             results += prefill_results([int(d) for d in args.depths.split(",")], names[0], args.layers,
-                                       args.context, min(args.chunk, args.context), quiet)
+                                       args.context, min(args.prefill_chunk, args.context), quiet)
     _progress(len(steps), len(steps), "done")
     print(file=sys.stderr)
     meta = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
