@@ -23,8 +23,8 @@ def _configure_devices(dcp: int):
     import jax
     try:                       # before any backend starts: a virtual CPU mesh when there is no GPU
         jax.config.update("jax_num_cpu_devices", max(dcp, 1))
-    except RuntimeError:
-        pass
+    except RuntimeError:       # backends already running (called from a live session): run() reports
+        pass                   # a --dcp larger than the devices that exist
 
 
 @dataclasses.dataclass
@@ -217,9 +217,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    for name in ("depth",):
-        if getattr(args, name) < 0:
-            ap.error(f"--{name} must be >= 0")
+    if args.depth < 0:
+        ap.error("--depth must be >= 0")
     for name in ("layers", "context", "chunk", "requests", "heads", "d_model", "topk", "block_size"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
