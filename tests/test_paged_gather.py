@@ -92,3 +92,4 @@ def test_gathers_lower_for_cuda(name, config):
 def test_gather_config_rejects_non_powers_of_two():
     with pytest.raises(ValueError, match="chunk_bytes"):
         pallas_triton.GatherConfig(chunk_bytes=3000)
+

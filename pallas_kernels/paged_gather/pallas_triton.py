@@ -47,6 +47,7 @@ def _tile(r, j, cu_ref, bt_ref, *, num_reqs, max_blocks, num_blocks, block_size,
     end = jnp.where(is_copy, _scalar(cu_ref, (r_safe + 1,), True), num_rows)
     dst_row = start + j * tile_rows
     rows = jnp.clip(jnp.minimum(end, num_rows) - dst_row, 0, tile_rows)
+    rows = jnp.where(dst_row >= 0, rows, 0)         # a negative cu_lens entry never addresses memory
     blk_idx = (j * tile_rows) // block_size
     need_page = is_copy & (rows > 0) & (blk_idx < max_blocks)
     page = _scalar(bt_ref, (r_safe, jnp.minimum(blk_idx, max_blocks - 1)), need_page)
