@@ -127,7 +127,6 @@ def run(args) -> int:
 
     reqs = args.requests
     prefix = args.context // 4
-    lens = np.full(reqs, args.context)
     blocks_per_rank = -(-(-(-args.context // dcp)) // args.block_size) + 1
     num_blocks = reqs * blocks_per_rank
     table = rng.permutation(num_blocks).reshape(reqs, blocks_per_rank).astype(np.int32)

@@ -13,7 +13,6 @@ record size.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 

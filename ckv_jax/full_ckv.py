@@ -24,6 +24,19 @@ from pallas_kernels import _registry, cache_writer, paged_gather
 DCP_AXIS = "dcp"
 
 
+def replicated(mesh: jax.sharding.Mesh, *arrays):
+    """Each array placed whole on every device of `mesh` (a shard_map input with spec P())."""
+    sharding = NamedSharding(mesh, P())
+    return [jax.device_put(jnp.asarray(a), sharding) for a in arrays]
+
+
+def static_implementation(implementation):
+    """`implementation` as a hashable static argument for jit (a sequence becomes a tuple)."""
+    if implementation is None or isinstance(implementation, str):
+        return implementation
+    return tuple(implementation)
+
+
 def check_block_table(plan: StepPlan, block_table, num_blocks: int | None = None, validate: bool | None = None):
     """Host checks: int32[R, max_blocks] with room for every rank's local length; with
     validation on, every block id a rank will read lies in [0, num_blocks)."""
@@ -97,17 +110,15 @@ def all_gather_ckv(caches, block_table, plan: StepPlan, *, mesh: jax.sharding.Me
         raise ValueError(f"caches: expected block_size {plan.layout.block_size} on axis 1, "
                          f"got {validation.describe(caches)}")
     check_block_table(plan, block_table, caches.shape[0] // d, validate)
-    if implementation is not None and not isinstance(implementation, str):
-        implementation = tuple(implementation)          # hashable for jit
-    replicated = NamedSharding(mesh, P())
-    return _all_gather_jit(caches, jax.device_put(jnp.asarray(block_table), replicated),
-                           jax.device_put(jnp.asarray(plan.local_cu_seq_lens), replicated),
-                           mesh=mesh, axis_name=axis_name, num_rows=plan.padded_tokens,
-                           implementation=implementation, interpret=interpret)
+    table, local_cu = replicated(mesh, block_table, plan.local_cu_seq_lens)
+    return all_gather_placed(caches, table, local_cu, mesh=mesh, axis_name=axis_name, num_rows=plan.padded_tokens,
+                             implementation=static_implementation(implementation), interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "num_rows", "implementation", "interpret"))
-def _all_gather_jit(caches, block_table, rank_local_cu, *, mesh, axis_name, num_rows, implementation, interpret):
+def all_gather_placed(caches, block_table, rank_local_cu, *, mesh, axis_name, num_rows, implementation, interpret):
+    """`all_gather_ckv` without its host checks, for callers that checked the step once and hold
+    the replicated block table and i32[D, R + 1] local cumulative lengths on the mesh."""
     body = functools.partial(gather_workspace_in_shard_map, num_rows=num_rows, axis_name=axis_name,
                              implementation=implementation, interpret=interpret)
     return jax.shard_map(body, mesh=mesh, in_specs=(P(axis_name), P(), P()), out_specs=P(),
@@ -231,13 +242,9 @@ def write_records_dcp(caches, kv_c, k_pe, plan: StepPlan, block_table, *, mesh: 
     if validation.check_values(fmt, kv_c, k_pe) != plan.num_tokens:
         raise ValueError(f"kv_c: expected [{plan.num_tokens}, {fmt.nope_dim}] (the step's query tokens), "
                          f"got {validation.describe(kv_c)}")
-    if implementation is not None and not isinstance(implementation, str):
-        implementation = tuple(implementation)
-    replicated = NamedSharding(mesh, P())
-    put = lambda a: jax.device_put(a, replicated)
-    return _write_dcp_jit(caches, put(kv_c), put(k_pe), put(jnp.asarray(dcp_slot_mapping(plan, block_table))),
-                          mesh=mesh, axis_name=axis_name, layout=fmt.layout, implementation=implementation,
-                          interpret=interpret)
+    return _write_dcp_jit(caches, *replicated(mesh, kv_c, k_pe, dcp_slot_mapping(plan, block_table)),
+                          mesh=mesh, axis_name=axis_name, layout=fmt.layout,
+                          implementation=static_implementation(implementation), interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "layout", "implementation", "interpret"),

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from ckv_jax import formats, full_ckv, validation
 from ckv_jax.step_plan import StepPlan
@@ -75,16 +75,12 @@ def prefill_layers(x, caches: Sequence[jax.Array], params: Sequence[Any], block_
                          f"world_size {plan.world_size}")
     full_ckv.check_block_table(plan, block_table)
     arrays = _step_arrays(plan, block_table)
-    if implementation is not None and not isinstance(implementation, str):
-        implementation = tuple(implementation)
-    rep = P()
-    put = lambda a: jax.device_put(a, NamedSharding(mesh, rep))
-    args = (put(x), list(caches), jax.tree.map(put, list(params)), put(jnp.asarray(arrays["table"])),
-            put(jnp.asarray(arrays["local_cu"])), put(jnp.asarray(arrays["slots"])), put(jnp.asarray(arrays["rows"])),
-            put(jnp.asarray(topk_indices)), put(jnp.asarray(topk_counts)))
-    fn = _compiled_loop(mesh, axis_name, num_layers, layer, depth, plan.padded_tokens, fmt.layout, implementation,
-                        interpret, return_workspaces)
-    return fn(*args)
+    x, table, local_cu, slots, rows, indices, counts = full_ckv.replicated(
+        mesh, x, arrays["table"], arrays["local_cu"], arrays["slots"], arrays["rows"], topk_indices, topk_counts)
+    params = jax.tree.map(lambda a: full_ckv.replicated(mesh, a)[0], list(params))
+    fn = _compiled_loop(mesh, axis_name, num_layers, layer, depth, plan.padded_tokens, fmt.layout,
+                        full_ckv.static_implementation(implementation), interpret, return_workspaces)
+    return fn(x, list(caches), params, table, local_cu, slots, rows, indices, counts)
 
 
 @functools.lru_cache(maxsize=64)

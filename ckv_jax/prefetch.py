@@ -31,9 +31,8 @@ from typing import Hashable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ckv_jax import formats, full_ckv
+from ckv_jax import formats, full_ckv, validation
 from ckv_jax.dcp_layout import DcpLayout
 from ckv_jax.prefetch_config import GatherConfig, MemoryPlan, memory_plan
 from ckv_jax.step_plan import StepPlan
@@ -70,9 +69,10 @@ class WorkspacePool:
             raise ValueError(f"plan: expected positive lanes and slots, got {plan.lanes}, {plan.slots}")
         self.plan = plan
         rows = world_size * plan.capacity
-        sharding = NamedSharding(mesh, P())
-        self._rings = [[jax.device_put(jnp.zeros((rows, record_bytes), jnp.uint8), sharding)
-                        for _ in range(plan.slots)] for _ in range(plan.lanes)]
+        # one fresh buffer per slot: slots are donated one at a time, so they must not share storage
+        self._rings = [full_ckv.replicated(mesh, *(jnp.zeros((rows, record_bytes), jnp.uint8)
+                                                   for _ in range(plan.slots)))
+                       for _ in range(plan.lanes)]
         self._free = list(range(plan.lanes - 1, -1, -1))          # LIFO
         self._leased: set[int] = set()
 
@@ -172,10 +172,8 @@ class PrefetchOrchestrator:
         if plan.padded_tokens > self.memory.capacity:
             raise ValueError(f"plan: P={plan.padded_tokens} exceeds the pool's capacity C={self.memory.capacity}")
         full_ckv.check_block_table(plan, block_table)
-        replicated = NamedSharding(self.mesh, P())
         self._plan = plan
-        self._table = jax.device_put(jnp.asarray(block_table), replicated)
-        self._local_cu = jax.device_put(jnp.asarray(plan.local_cu_seq_lens), replicated)
+        self._table, self._local_cu = full_ckv.replicated(self.mesh, block_table, plan.local_cu_seq_lens)
         for state in self._lanes.values():
             state.pending.clear()
             state.last_layer = None
@@ -228,9 +226,11 @@ class PrefetchOrchestrator:
 
     def _gather_into(self, state: LaneState, index: int, cache):
         ring = self.pool.ring(state.lane)
-        ws = full_ckv.all_gather_ckv(cache, self._table, self._plan, mesh=self.mesh, format=self.fmt,
-                                     axis_name=self.axis_name, implementation=self.implementation,
-                                     interpret=self.interpret)
+        validation.check_cache(self.fmt, cache)             # the table was checked at begin_step
+        ws = full_ckv.all_gather_placed(cache, self._table, self._local_cu, mesh=self.mesh,
+                                        axis_name=self.axis_name, num_rows=self._plan.padded_tokens,
+                                        implementation=full_ckv.static_implementation(self.implementation),
+                                        interpret=self.interpret)
         ring[index] = _into_slot(ring[index], ws)
         return ring[index]
 

@@ -17,6 +17,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ckv_jax import formats
+from ckv_jax import full_ckv
 from ckv_jax.full_ckv import DCP_AXIS
 from ckv_jax.step_plan import StepPlan
 from pallas_kernels import record_codec
@@ -92,7 +93,7 @@ def full_ckv_attention(q, workspace, indices, counts, sm_scale, *, format: str, 
         return out.astype(jnp.bfloat16), lse
 
     specs = (P(None, axis_name), P(), P(), P())
-    args = _place(mesh, specs, q, workspace, indices, counts)
+    args = [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip((q, workspace, indices, counts), specs)]
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs,
                                  out_specs=(P(None, axis_name), P(None, axis_name)), check_vma=False))(*args)
 
@@ -126,10 +127,7 @@ def stock_dcp_attention(q, caches, block_table, topk, plan: StepPlan, sm_scale, 
         return out.astype(jnp.bfloat16), lse
 
     specs = (P(), P(axis_name), P(), P(), P(), P(), P())
-    args = _place(mesh, specs, q, caches, jnp.asarray(block_table), topk, req, causal, lens)
+    q, table, topk, req, causal, lens = full_ckv.replicated(mesh, q, block_table, topk, req, causal, lens)
+    args = (q, jax.device_put(caches, NamedSharding(mesh, specs[1])), table, topk, req, causal, lens)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P()), check_vma=False))(*args)
 
-
-def _place(mesh, specs, *arrays):
-    """Put each input on the mesh with its spec (shard_map checks that inputs match in_specs)."""
-    return [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(arrays, specs)]

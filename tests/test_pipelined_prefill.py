@@ -1,5 +1,4 @@
 """Depth-N prefetch inside one JAX program: every depth gives the synchronous path's bytes and outputs."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -1,5 +1,4 @@
 """The per-layer prefetch orchestrator: upstream's checklist (upstream-system.md 7.2) in JAX terms."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
