@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -47,7 +48,7 @@ def _step_arrays(plan: StepPlan, block_table):
 def prefill_layers(x, caches: Sequence[jax.Array], params: Sequence[Any], block_table, plan: StepPlan,
                    topk_indices, topk_counts, *, layer: MlaLayer, depth: int, mesh: jax.sharding.Mesh,
                    format: str, axis_name: str = full_ckv.DCP_AXIS, implementation=None,
-                   interpret: bool = False, return_workspaces: bool = False):
+                   interpret: bool = False, return_workspaces: bool = False, compiled_text: bool = False):
     """Run L layers of one pure-prefill step with depth-N prefetch of the full-CKV gathers.
 
     Args:
@@ -59,6 +60,8 @@ def prefill_layers(x, caches: Sequence[jax.Array], params: Sequence[Any], block_
       topk_indices, topk_counts: i32[L, T, K], i32[L, T] per-layer top-k already remapped to
         workspace rows (`remap_topk`).
       depth: layers gathered ahead (0 = synchronous).
+      compiled_text: return the optimized HLO of the step's program instead of running it (for
+        `collective_schedule`).
     Returns:
       (x after the last layer, the L updated caches[, u8[L, D * P, R] workspaces each layer used]).
     """
@@ -80,7 +83,31 @@ def prefill_layers(x, caches: Sequence[jax.Array], params: Sequence[Any], block_
     params = jax.tree.map(lambda a: full_ckv.replicated(mesh, a)[0], list(params))
     fn = _compiled_loop(mesh, axis_name, num_layers, layer, depth, plan.padded_tokens, fmt.layout,
                         full_ckv.static_implementation(implementation), interpret, return_workspaces)
-    return fn(x, list(caches), params, table, local_cu, slots, rows, indices, counts)
+    args = (x, list(caches), params, table, local_cu, slots, rows, indices, counts)
+    if compiled_text:
+        return fn.lower(*args).compile().as_text()
+    return fn(*args)
+
+
+def collective_schedule(hlo_text: str) -> dict:
+    """What the compiled program does with its all-gathers: how many there are, how many XLA made
+    asynchronous (`all-gather-start`/`-done` pairs) and, per pair, how many instructions of the
+    schedule lie between start and done (the room it has to overlap with compute)."""
+    lines = [line.strip() for line in hlo_text.splitlines()]
+    starts, gaps = {}, []
+    for i, line in enumerate(lines):
+        m = re.match(r"(?:ROOT )?(%?[\w.-]+) = .*? all-gather-start\(", line)
+        if m:
+            starts[m.group(1)] = i
+            continue
+        if " all-gather-done(" in line:
+            for name, at in list(starts.items()):
+                if re.search(re.escape(name) + r"\b", line.split("all-gather-done(", 1)[1]):
+                    gaps.append(i - at - 1)
+                    del starts[name]
+                    break
+    sync = sum(1 for line in lines if re.search(r"= \S+ all-gather\(", line))
+    return dict(async_all_gathers=len(gaps), sync_all_gathers=sync, instructions_between_start_and_done=gaps)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,4 +1,5 @@
-"""`ckv-jax plot results.json`: bandwidth as % of the copy ceiling, and prefill step time vs depth."""
+"""`ckv-jax plot results.json [more.json ...]`: bandwidth as % of the copy ceiling, and prefill step
+time vs depth (several files of one machine, e.g. separate kernel and prefill sweeps, plot together)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,7 @@ import os
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="ckv-jax plot", description=__doc__)
-    ap.add_argument("results", help="JSON written by `ckv-jax bench`")
+    ap.add_argument("results", nargs="+", help="JSON files written by `ckv-jax bench`")
     ap.add_argument("--out-dir", default=".", help="where the PNG files go")
     args = ap.parse_args(argv)
     try:
@@ -18,9 +19,11 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(args.results) as f:
-        data = json.load(f)
-    results = data["results"]
+    results, data = [], {}
+    for path in args.results:
+        with open(path) as f:
+            data = json.load(f)
+        results += data["results"]
     title = f"{data.get('device', '?')} (jax {data.get('jax', '?')})"
     written = []
     kernel = [r for r in results if "pct_of_copy" in r]
@@ -57,7 +60,7 @@ def main(argv=None) -> int:
         fig.savefig(path, dpi=120)
         written.append(path)
     if not written:
-        ap.error(f"{args.results}: no kernel or prefill results to plot")
+        ap.error(f"{', '.join(args.results)}: no kernel or prefill results to plot")
     for path in written:
         print(f"wrote {path}")
     return 0

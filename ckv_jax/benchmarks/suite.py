@@ -79,7 +79,7 @@ def prefill_results(depths, fmt_name, layers, context, chunk, log):
     from ckv_jax import full_ckv
     from ckv_jax.dcp_layout import DcpLayout
     from ckv_jax.demo import make_model, mla_layer
-    from ckv_jax.pipelined_prefill import prefill_layers
+    from ckv_jax.pipelined_prefill import collective_schedule, prefill_layers
     from ckv_jax.step_plan import build_step_plan
 
     fmt = formats.get(fmt_name)
@@ -102,6 +102,10 @@ def prefill_results(depths, fmt_name, layers, context, chunk, log):
     host_caches = [np.asarray(rng.integers(0, 256, (blocks, 64, fmt.record_bytes), dtype=np.uint8))] * dcp
     results, outputs = [], {}
     for depth in depths:
+        caches = [full_ckv.place_caches(host_caches, mesh) for _ in range(layers)]
+        schedule = collective_schedule(prefill_layers(x, caches, model.params, table, plan, idx, cnt, layer=layer,
+                                                      depth=depth, mesh=mesh, format=fmt, compiled_text=True))
+        del caches
         times = []
         for trial in range(4):
             caches = [full_ckv.place_caches(host_caches, mesh) for _ in range(layers)]
@@ -116,9 +120,10 @@ def prefill_results(depths, fmt_name, layers, context, chunk, log):
         seconds = statistics.median(times)
         results.append(dict(op="prefill_step", format=fmt_name, tokens=context, chunk=chunk, layers=layers,
                             dcp=dcp, depth=depth, implementation="prefill_layers", us=seconds * 1e6,
-                            exact=bool(np.array_equal(outputs[depth], outputs[depths[0]]))))
+                            exact=bool(np.array_equal(outputs[depth], outputs[depths[0]])), **schedule))
         log(f"  prefill depth {depth}: {seconds * 1e3:.2f} ms per step ({layers} layers, context {context}, "
-            f"chunk {chunk}, D={dcp})")
+            f"chunk {chunk}, D={dcp}); all-gathers async {schedule['async_all_gathers']}, "
+            f"sync {schedule['sync_all_gathers']}")
     return results
 
 
@@ -146,25 +151,27 @@ def main(argv=None) -> int:
     names = args.formats.split(",")
     for name in names:
         formats.get(name)
-    results, steps = [], [op for op in ops]
-    quiet = lambda *a: None
-    for i, op in enumerate(steps):
-        _progress(i, len(steps), f"{op} ...")
-        if op == "writer":
-            results += writer.run(tokens, names, args.patterns.split(","), args.repeats, log=quiet)
-        elif op == "gather":
-            results += gather.run([t - t % 64 or 64 for t in tokens], names, args.repeats, log=quiet)
-        elif op == "patch":
-            results += patch_results(tokens, names, args.chunk, args.repeats, quiet)
-        else:
-            results += prefill_results([int(d) for d in args.depths.split(",")], names[0], args.layers,
-                                       args.context, min(args.prefill_chunk, args.context), quiet)
-    _progress(len(steps), len(steps), "done")
-    print(file=sys.stderr)
     meta = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
                 command="ckv-jax bench " + " ".join(argv if argv is not None else sys.argv[2:]))
-    with open(args.out, "w") as f:
-        json.dump(dict(meta, results=results), f, indent=1)
+    results = []
+    def log(line):                                       # each case as it finishes
+        print("\r" + line, flush=True)
+
+    for i, op in enumerate(ops):
+        _progress(i, len(ops), f"{op} ...")
+        if op == "writer":
+            results += writer.run(tokens, names, args.patterns.split(","), args.repeats, log=log)
+        elif op == "gather":
+            results += gather.run([t - t % 64 or 64 for t in tokens], names, args.repeats, log=log)
+        elif op == "patch":
+            results += patch_results(tokens, names, args.chunk, args.repeats, log)
+        else:
+            results += prefill_results([int(d) for d in args.depths.split(",")], names[0], args.layers,
+                                       args.context, min(args.prefill_chunk, args.context), log)
+        with open(args.out, "w") as f:                   # after every op, so a cut-off sweep keeps its figures
+            json.dump(dict(meta, results=results), f, indent=1)
+    _progress(len(ops), len(ops), "done")
+    print(file=sys.stderr)
     for r in results:
         extra = f" {r['gbps']:.0f} GB/s ({r['pct_of_copy']:.0f}% of copy)" if "gbps" in r else ""
         print(f"{r['op']:<14} {r['format']:<13} {r['tokens']:>8} {r.get('depth', r.get('pattern', '')):<10} "
