@@ -1,0 +1,25 @@
+"""The examples in `examples/`, run as their users run them, with small flags."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _example(name, *args, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_flax_example_prefills_through_dcp_and_matches_one_device():
+    proc = _example("flax_mla.py", "--dcp", "2", "--depth", "1", "--layers", "2", "--heads", "4",
+                    "--requests", "1", "--prefix", "32", "--chunk", "32", "--steps", "1", "--topk", "24")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and all(line.endswith(" match") for line in lines), proc.stdout
+    assert "D=2, depth 1" in lines[0]
