@@ -185,7 +185,7 @@ def chunk_rows(plan: StepPlan) -> np.ndarray:
 
 
 def patch_current_chunk(workspace, kv_c, k_pe, plan: StepPlan, format: str | formats.RecordFormat, *,
-                        implementation: str | Sequence[str] | None = None, interpret: bool = False):
+                        implementation: str | Sequence[str] | None = None, interpret: bool = False, after=None):
     """Write the step's current-chunk records into a gathered workspace, in place.
 
     A prefetched workspace was gathered before its layer wrote the current chunk into the paged
@@ -198,6 +198,7 @@ def patch_current_chunk(workspace, kv_c, k_pe, plan: StepPlan, format: str | for
       workspace: u8[N, R] with N >= D * P, e.g. a ring slot of D * C rows (donated; the result
         reuses its buffer; rows past D * P are not touched).
       kv_c: bf16|f16|f32[T, nope_dim]; k_pe: bf16[T, rope_dim], T = plan.num_tokens.
+      after: optional array the patch waits for (an unused input; see `PrefetchOrchestrator.gather`).
     Returns:
       u8[N, R].
     """
@@ -210,12 +211,12 @@ def patch_current_chunk(workspace, kv_c, k_pe, plan: StepPlan, format: str | for
         raise ValueError(f"kv_c: expected [{plan.num_tokens}, {fmt.nope_dim}] (the step's query tokens), "
                          f"got {validation.describe(kv_c)}")
     impl = cache_writer.choose(implementation, _registry.device_of(workspace), workspace.size, interpret=interpret)
-    return _patch_jit(workspace, kv_c, k_pe, jnp.asarray(chunk_rows(plan)), layout=fmt.layout,
+    return _patch_jit(workspace, kv_c, k_pe, jnp.asarray(chunk_rows(plan)), after, layout=fmt.layout,
                       run=impl.run, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "run", "interpret"), donate_argnums=(0,))
-def _patch_jit(workspace, kv_c, k_pe, rows, *, layout, run, interpret):
+@functools.partial(jax.jit, static_argnames=("layout", "run", "interpret"), donate_argnums=(0,), keep_unused=True)
+def _patch_jit(workspace, kv_c, k_pe, rows, after, *, layout, run, interpret):
     n, record_bytes = workspace.shape
     out = run(workspace.reshape(n, 1, record_bytes), kv_c, k_pe, rows, layout=layout, interpret=interpret)
     return out.reshape(n, record_bytes)

@@ -159,6 +159,12 @@ class PrefetchOrchestrator:
             raise ValueError(f"CKV gather buffer index {index} is outside [0, {self.slots})")
         return self.pool.ring(self.lane(key).lane)[index]
 
+    def in_flight(self) -> list:
+        """The ring slots that prefetches of this step are writing and nobody has consumed yet
+        (the torch bridge makes torch's stream wait for them before it frees their inputs)."""
+        return [self.pool.ring(state.lane)[index] for state in self._lanes.values()
+                for index in state.pending.values()]
+
     # -- step ----------------------------------------------------------------------------------
     def eligible(self, plan: StepPlan) -> bool:
         if not plan.eligible:
@@ -186,7 +192,7 @@ class PrefetchOrchestrator:
             state.pending.clear()
         state.last_layer = layer
 
-    def gather(self, layer: int | None, cache, kv_c, k_pe, *, key: Hashable = "target"):
+    def gather(self, layer: int | None, cache, kv_c, k_pe, *, key: Hashable = "target", after=None):
         """The gathered workspace u8[D * C, R] of `layer` for this step, current chunk included.
 
         cache: this layer's u8[D * num_blocks, block_size, R] (sharded) after the layer wrote its
@@ -194,6 +200,10 @@ class PrefetchOrchestrator:
         The returned array is the ring slot itself: it stays valid until the slot is reused
         (depth + 1 layers later, or the next step), when it is donated to the next gather and
         JAX raises on any further use of it.
+        after: an array every computation dispatched by this call takes as an (unused) input, so it
+        runs only once `after` is ready: the torch bridge passes a fresh import from torch's current
+        stream, which orders the gathers after torch's cache writes and a reused slot's overwrite
+        after torch's reads of it.
         """
         plan = self._plan
         if plan is None:
@@ -202,7 +212,7 @@ class PrefetchOrchestrator:
             raise RuntimeError(f"CKV gather called for an ineligible step: {plan.why}")
         state = self.lane(key)
         if layer is None:                      # no layer index: no lookahead for this call
-            ws = self._gather_into(state, 0, cache)
+            ws = self._gather_into(state, 0, cache, after)
             self.decisions.append((key, None, "sync", ()))
             return ws
         self.enter_layer(layer, key)
@@ -212,29 +222,45 @@ class PrefetchOrchestrator:
         if layer in state.pending:
             index = state.pending.pop(layer)
             ring = self.pool.ring(state.lane)
-            ring[index] = full_ckv.patch_current_chunk(ring[index], kv_c, k_pe, plan, self.fmt,
+            slot = ring[index]
+            ring[index] = full_ckv.patch_current_chunk(slot, kv_c, k_pe, plan, self.fmt, after=after,
                                                        implementation=self.implementation, interpret=self.interpret)
+            _check_reused(slot, index)
             ws, how = ring[index], "prefetched"
         else:
-            ws, how = self._gather_into(state, layer % self.slots, cache), "sync"
+            ws, how = self._gather_into(state, layer % self.slots, cache, after), "sync"
         targets = target_layers(layer, self.depth, state.registered(), state.pending)
         for t in targets:
-            self._gather_into(state, t % self.slots, state.caches[t])
+            self._gather_into(state, t % self.slots, state.caches[t], after)
             state.pending[t] = t % self.slots
         self.decisions.append((key, layer, how, tuple(targets)))
         return ws
 
-    def _gather_into(self, state: LaneState, index: int, cache):
+    def _gather_into(self, state: LaneState, index: int, cache, after):
         ring = self.pool.ring(state.lane)
         validation.check_cache(self.fmt, cache)             # the table was checked at begin_step
-        ws = full_ckv.all_gather_placed(cache, self._table, self._local_cu, mesh=self.mesh,
-                                        axis_name=self.axis_name, num_rows=self._plan.padded_tokens,
-                                        implementation=full_ckv.static_implementation(self.implementation),
-                                        interpret=self.interpret)
-        ring[index] = _into_slot(ring[index], ws)
+        slot = ring[index]
+        ring[index] = _gather_slot(slot, cache, self._table, self._local_cu, after, mesh=self.mesh,
+                                   axis_name=self.axis_name, num_rows=self._plan.padded_tokens,
+                                   implementation=full_ckv.static_implementation(self.implementation),
+                                   interpret=self.interpret)
+        _check_reused(slot, index)
         return ring[index]
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _into_slot(slot, ws):
+def _check_reused(slot, index: int):
+    """A ring slot is donated to its next use.  One that something else still references (a torch
+    view of a workspace returned earlier) cannot be, and XLA would silently allocate a new buffer
+    instead; the pool never grows, so that is an error."""
+    if not slot.is_deleted():
+        raise RuntimeError(f"CKV workspace ring slot {index} is still referenced (a workspace returned by an "
+                           "earlier gather is alive outside ckv-jax); drop it before its slot is reused")
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "num_rows", "implementation", "interpret"),
+                   donate_argnums=0, keep_unused=True)
+def _gather_slot(slot, cache, table, local_cu, after, *, mesh, axis_name, num_rows, implementation, interpret):
+    """The layer's gathered workspace written into the head of ring slot `slot`, in one program."""
+    ws = full_ckv.all_gather_placed(cache, table, local_cu, mesh=mesh, axis_name=axis_name, num_rows=num_rows,
+                                    implementation=implementation, interpret=interpret)
     return jax.lax.dynamic_update_slice_in_dim(slot, ws, 0, axis=0)

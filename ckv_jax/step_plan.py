@@ -78,8 +78,12 @@ def capacity(layout: DcpLayout, max_tokens: int, max_num_seqs: int) -> int:
 
 
 def build_step_plan(layout: DcpLayout, seq_lens, query_lens, *, max_tokens: int = DEFAULT_MAX_TOKENS,
-                    max_num_seqs: int | None = None, min_tokens: int = DEFAULT_MIN_TOKENS) -> StepPlan:
-    """The plan of one step.  seq_lens, query_lens: int[R] (seq_lens include the current chunk)."""
+                    max_num_seqs: int | None = None, min_tokens: int = DEFAULT_MIN_TOKENS,
+                    min_world_size: int = 2) -> StepPlan:
+    """The plan of one step.  seq_lens, query_lens: int[R] (seq_lens include the current chunk).
+
+    min_world_size: the smallest D that is eligible; 2 in serving (with one rank there is nothing
+    to gather), 1 to run the full path on a single device in tests and benchmarks."""
     seq_lens = np.asarray(seq_lens)
     query_lens = np.asarray(query_lens)
     for name, a in (("seq_lens", seq_lens), ("query_lens", query_lens)):
@@ -110,8 +114,8 @@ def build_step_plan(layout: DcpLayout, seq_lens, query_lens, *, max_tokens: int 
     padded = ceil_to(local_cu[:, -1].max(initial=0), ROW_ALIGN)
     cap = capacity(layout, max_tokens, max_num_seqs)
 
-    if layout.world_size <= 1:
-        why = "world_size is 1: no DCP"
+    if layout.world_size < min_world_size:
+        why = f"world_size {layout.world_size} < {min_world_size}: no DCP"
     elif num_reqs == 0 or (query_lens <= 1).any():
         why = "not a pure prefill step (a request has at most one query token)"
     elif query_lens.max() <= min_tokens:

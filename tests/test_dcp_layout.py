@@ -88,7 +88,8 @@ def test_step_plan_arrays(layout, lens):
 def test_eligibility_reasons():
     lay = DcpLayout(4)
     assert build_step_plan(lay, [1000, 800], [300, 200]).eligible
-    assert "world_size is 1" in build_step_plan(DcpLayout(1), [1000], [300]).why
+    assert "world_size 1 < 2" in build_step_plan(DcpLayout(1), [1000], [300]).why
+    assert build_step_plan(DcpLayout(1), [1000], [300], min_world_size=1).eligible
     assert "not a pure prefill" in build_step_plan(lay, [1000, 800], [300, 1]).why
     assert "min_tokens 16" in build_step_plan(lay, [1000], [16]).why
     assert build_step_plan(lay, [1000], [17]).eligible

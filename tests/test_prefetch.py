@@ -106,7 +106,8 @@ class Engine:
         for l in layers:
             kv, pe = self.chunk(l, hist, q)
             self.write(l, plan, kv, pe)
-            out.append(np.asarray(self.orch.gather(l, self.caches[l], kv, pe))[:rows])
+            # copied before the host read: on CPU np.asarray keeps a zero-copy view, which pins the slot
+            out.append(np.asarray(jnp.copy(self.orch.gather(l, self.caches[l], kv, pe)))[:rows])
         return out
 
 

@@ -1,0 +1,191 @@
+"""The torch bridge and the engine adapter with real torch tensors (CPU here, CUDA on a GPU)."""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import interop
+from ckv_jax import formats, full_ckv
+from ckv_jax.prefetch_config import GatherConfig
+from interop import torch_records
+from torch_engine_sim import STEPS, TorchEngine
+
+FP8 = formats.get("fp8_ds_mla")
+
+
+def one_device_mesh():
+    return jax.make_mesh((1,), (full_ckv.DCP_AXIS,), devices=jax.devices()[:1])
+
+
+# -- bridge ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_round_trip_is_zero_copy_both_ways(dtype):
+    t = torch.randn(64, 16, 41).to(dtype) if dtype.is_floating_point else torch.randint(0, 100, (64, 16, 41)).to(dtype)
+    a = interop.to_jax(t, name="t")
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+    assert a.dtype == jnp.dtype(str(dtype).replace("torch.", ""))
+    back = interop.to_torch(a)
+    assert back.data_ptr() == t.data_ptr() and back.dtype == dtype
+    t.view(torch.uint8).view(-1)[:8] = 7                  # shared memory, not a snapshot
+    seen = jax.lax.bitcast_convert_type(a.ravel()[:8] + 0 if dtype == torch.uint8 else a.ravel()[:8], jnp.uint8)
+    assert np.asarray(seen).ravel()[:8].tolist() == [7] * 8
+
+
+def test_every_rejected_input_names_the_argument():
+    cache = torch.zeros(8, 16, 656, dtype=torch.uint8)
+    with pytest.raises(TypeError, match=r"slot_mapping: int64 .*int32_indices"):
+        interop.to_jax(torch.zeros(16, dtype=torch.int64), name="slot_mapping")
+    with pytest.raises(ValueError, match=r"kv_cache: a non-compact view"):
+        interop.to_jax(cache[:, :, :576], name="kv_cache")
+    with pytest.raises(ValueError, match=r"kv_cache: data pointer .* not 32-byte aligned"):
+        interop.to_jax(cache.view(-1)[1:4097], name="kv_cache")
+    with pytest.raises(TypeError, match=r"x: dtype torch.float64"):
+        interop.to_jax(torch.zeros(4, dtype=torch.float64), name="x")
+    with pytest.raises(ValueError, match=r"q: requires grad"):
+        interop.to_jax(torch.zeros(4, requires_grad=True), name="q")
+    with pytest.raises(TypeError, match=r"block_table: expected a torch.Tensor, got ndarray"):
+        interop.to_jax(np.zeros(4, np.int32), name="block_table")
+    with pytest.raises(ValueError, match=r"kv_cache: on cpu, expected the device of JAX's"):
+        interop.to_jax(cache, name="kv_cache", device=jax.devices()[1])
+    with pytest.raises(ValueError, match=r"single-device"):
+        interop.to_torch(full_ckv.replicated(jax.make_mesh((2,), ("dcp",), devices=jax.devices()[:2]),
+                                             jnp.zeros(4))[0])
+
+
+def test_int64_indices_convert_only_on_request_and_only_when_they_fit():
+    slots = torch.tensor([0, 5, -1, 2 ** 31 - 1], dtype=torch.int64)
+    got = interop.int32_indices(slots, name="slot_mapping")
+    assert got.dtype == torch.int32 and got.tolist() == slots.tolist()
+    with pytest.raises(ValueError, match=r"slot_mapping: values in \[0, 2147483648\] do not fit int32"):
+        interop.int32_indices(torch.tensor([0, 2 ** 31]), name="slot_mapping")
+    with pytest.raises(TypeError, match="expected int32 or int64"):
+        interop.int32_indices(torch.zeros(3, dtype=torch.int16))
+
+
+def test_torch_records_are_the_library_encoding():
+    kv = (torch.randn(200, 512) * torch.rand(200, 1) * 30).to(torch.bfloat16)
+    kv[3] = 0
+    pe = torch.randn(200, 64).to(torch.bfloat16)
+    for name in ("fp8_ds_mla", "bf16"):
+        fmt = formats.get(name)
+        want = np.asarray(fmt.encode(interop.to_jax(kv), interop.to_jax(pe)))
+        got = torch_records.encode(name, kv, pe)
+        np.testing.assert_array_equal(got.numpy(), want)
+        np.testing.assert_array_equal(torch_records.decode(name, got).numpy(), np.asarray(fmt.decode(jnp.asarray(want))))
+
+
+# -- adapter -----------------------------------------------------------------------------------
+def _adapter(depth, engine, **kw):
+    cfg = GatherConfig(enabled=True, depth=depth, workspace_mib=0, min_tokens=1, max_tokens=512)
+    return interop.TorchCkvAdapter(world_size=engine.layout.world_size, format=engine.fmt.name, max_num_seqs=4,
+                                   config=cfg, block_size=engine.layout.block_size, mesh=one_device_mesh(),
+                                   min_world_size=1, **kw)
+
+
+def _synchronous_gather(engine, layer, plan):
+    """The pure-JAX pipeline's answer: the layer's cache (after its write) gathered now."""
+    cache = full_ckv.place_caches([engine.caches[layer].cpu().numpy()], one_device_mesh())
+    return np.asarray(full_ckv.all_gather_ckv(cache, jnp.asarray(engine.block_table.cpu().numpy()), plan,
+                                              mesh=one_device_mesh(), format=engine.fmt))
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_adapter_workspaces_equal_the_pure_jax_gather(depth):
+    layers = 3
+    engine = TorchEngine(1, 0, FP8, layers)
+    adapter = _adapter(depth, engine)
+    assert adapter.pool_bytes == interop.planned_pool_bytes(world_size=1, format="fp8_ds_mla", max_num_seqs=4,
+                                                            config=adapter.config, block_size=16)
+    for hist, q in STEPS:
+        plan = engine.plan(hist, q, min_world_size=1)
+        assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table)
+        for layer in range(layers):
+            kv, pe = engine.chunk(plan.num_tokens)
+            engine.write(layer, plan, kv, pe)
+            adapter.set_current_chunk(kv, pe)
+            ws = adapter.gather(layer, engine.caches[layer])
+            assert ws.dtype == torch.uint8 and ws.shape == (adapter.orch.memory.capacity, FP8.record_bytes)
+            got = ws[:adapter.rows].numpy().copy()
+            del ws                                        # a slot is reused depth + 1 layers later
+            np.testing.assert_array_equal(got, _synchronous_gather(engine, layer, plan))
+    kinds = [how for _, _, how, _ in adapter.orch.decisions]
+    # the last step: layer 0 is gathered when entered; with lookahead every later layer was prefetched
+    assert kinds == ["sync"] + (["sync"] if depth == 0 else ["prefetched"]) * (layers - 1)
+    adapter.close()
+
+
+def test_adapter_remaps_topk_and_takes_the_stock_path_when_ineligible():
+    engine = TorchEngine(1, 0, FP8, 1)
+    adapter = _adapter(1, engine)
+    hist, q = STEPS[0]
+    assert not adapter.begin_step(torch.tensor(hist + np.array([5, 1, 3])), torch.tensor([5, 1, 3]), engine.block_table)
+    assert "not a pure prefill" in adapter.plan.why
+    with pytest.raises(RuntimeError, match="no eligible step"):
+        adapter.set_current_chunk(*engine.chunk(9))
+    plan = engine.plan(hist, q, min_world_size=1)
+    assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table)
+    with pytest.raises(RuntimeError, match="set_current_chunk"):
+        adapter.gather(0, engine.caches[0])
+    topk = torch.tensor(np.minimum(np.arange(8)[None, :] * 3, plan.positions()[:, None]), dtype=torch.int32)
+    idx, cnt = adapter.remap_topk(topk)
+    want_idx, want_cnt = full_ckv.remap_topk(jnp.asarray(topk.numpy()), plan)
+    np.testing.assert_array_equal(idx.numpy(), np.asarray(want_idx))
+    np.testing.assert_array_equal(cnt.numpy(), np.asarray(want_cnt))
+    with pytest.raises(ValueError, match="seq_lens: expected host lengths"):
+        adapter.begin_step(torch.tensor(hist + q, device="meta"), torch.tensor(q), engine.block_table)
+
+
+def test_a_workspace_held_past_its_slot_reuse_is_an_error_not_a_new_allocation():
+    engine = TorchEngine(1, 0, FP8, 3)
+    adapter = _adapter(0, engine)                         # one slot: layer 1 reuses layer 0's
+    hist, q = STEPS[0]
+    plan = engine.plan(hist, q, min_world_size=1)
+    adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table)
+    kv, pe = engine.chunk(plan.num_tokens)
+    adapter.set_current_chunk(kv, pe)
+    held = adapter.gather(0, engine.caches[0])
+    adapter.set_current_chunk(kv, pe)
+    with pytest.raises(RuntimeError, match="slot 0 is still referenced"):
+        adapter.gather(1, engine.caches[1])
+    del held
+
+
+def test_memory_setup_refuses_a_running_backend_and_configures_a_fresh_process():
+    jax.devices()
+    with pytest.raises(RuntimeError, match="already running"):
+        interop.configure_jax_memory()
+    code = ("import interop, os; s = interop.configure_jax_memory(fraction=0.3); import jax; jax.devices(); "
+            "print(s['XLA_PYTHON_CLIENT_PREALLOCATE'], os.environ['XLA_CLIENT_MEM_FRACTION'])")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == 0 and proc.stdout.split() == ["false", "0.3000"], proc.stderr
+    with pytest.raises(ValueError, match=r"fraction: expected a value in \(0, 1\]"):
+        interop.configure_jax_memory(fraction=1.5)
+
+
+# -- projection-buffer guard --------------------------------------------------------------------
+def test_attention_output_layouts_compact_to_token_major():
+    t, h, dv = 5, 4, 8
+    want = torch.randn(t, h, dv)
+    compact = want.clone()
+    pitched = torch.zeros(t, h + 3, dv)[:, :h]                      # capacity-pitched token-major
+    pitched[:] = want
+    head_major = want.permute(1, 0, 2).contiguous().permute(1, 0, 2)
+    head_pitched = torch.zeros(h, t + 6, dv)[:, :t].permute(1, 0, 2)
+    head_pitched[:] = want
+    for out, layout in [(compact, "token-major"), (pitched, "token-major"), (head_major, "head-major"),
+                        (head_pitched, "head-major")]:
+        assert interop.attention_layout(out, t, h, dv) == layout
+        flat = interop.compact_attention_output(out, t, h, dv)
+        assert flat.is_contiguous() and torch.equal(flat, want.reshape(t, h * dv))
+    assert interop.compact_attention_output(compact, t, h, dv).data_ptr() == compact.data_ptr()   # no copy
+    with pytest.raises(ValueError, match=r"strides .* neither token-major"):
+        interop.attention_layout(torch.randn(t, dv, h).permute(0, 2, 1), t, h, dv)
+    with pytest.raises(ValueError, match=r"expected shape \[T, H, Dv\] = \[5, 4, 8\]"):
+        interop.attention_layout(torch.randn(t, h * dv), t, h, dv)
