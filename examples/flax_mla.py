@@ -101,7 +101,6 @@ def indexer_stand_in(positions, topk: int, sinks: int = 4):
 
 def dcp_layer(graphdef, heads: int, dcp: int, sm_scale: float, fmt, axis: str):
     """The model as one DCP rank runs it inside `prefill_layers`: its own heads only."""
-    import jax.numpy as jnp
     from flax import nnx
     from jax import lax
 

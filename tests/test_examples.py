@@ -23,3 +23,9 @@ def test_flax_example_prefills_through_dcp_and_matches_one_device():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(lines) == 2 and all(line.endswith(" match") for line in lines), proc.stdout
     assert "D=2, depth 1" in lines[0]
+
+
+def test_torch_engine_example_matches_the_pure_jax_path():
+    proc = _example("torch_engine.py", "--depth", "1", "--layers", "2", "--context", "192", "--chunk", "96")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("-> match") == 2 and "all chunks match" in proc.stdout, proc.stdout
