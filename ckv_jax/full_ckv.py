@@ -211,8 +211,14 @@ def patch_current_chunk(workspace, kv_c, k_pe, plan: StepPlan, format: str | for
         raise ValueError(f"kv_c: expected [{plan.num_tokens}, {fmt.nope_dim}] (the step's query tokens), "
                          f"got {validation.describe(kv_c)}")
     impl = cache_writer.choose(implementation, _registry.device_of(workspace), workspace.size, interpret=interpret)
-    return _patch_jit(workspace, kv_c, k_pe, jnp.asarray(chunk_rows(plan)), after, layout=fmt.layout,
-                      run=impl.run, interpret=interpret)
+    return patch_placed(workspace, kv_c, k_pe, jnp.asarray(chunk_rows(plan)), after, layout=fmt.layout,
+                        run=impl.run, interpret=interpret)
+
+
+def patch_placed(workspace, kv_c, k_pe, rows, after=None, *, layout, run, interpret=False):
+    """`patch_current_chunk` without its host checks, for callers that checked the step once and
+    hold its i32[T] `chunk_rows` on the device and the writer backend's `run` (`cache_writer.choose`)."""
+    return _patch_jit(workspace, kv_c, k_pe, rows, after, layout=layout, run=run, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "run", "interpret"), donate_argnums=(0,), keep_unused=True)

@@ -36,6 +36,7 @@ from ckv_jax import formats, full_ckv, validation
 from ckv_jax.dcp_layout import DcpLayout
 from ckv_jax.prefetch_config import GatherConfig, MemoryPlan, memory_plan
 from ckv_jax.step_plan import StepPlan
+from pallas_kernels import cache_writer
 
 log = logging.getLogger("ckv_jax.prefetch")
 LOOKAHEAD_FORMATS = ("fp8_ds_mla", "nvfp4_ds_mla")
@@ -122,6 +123,8 @@ class PrefetchOrchestrator:
         if self.memory.depth and not self.depth:
             log.debug("format %s has no lookahead; gathering synchronously", self.fmt.name)
         self.pool = WorkspacePool(mesh, self.memory, layout.world_size, self.fmt.record_bytes)
+        slot_bytes = layout.world_size * self.memory.capacity * self.fmt.record_bytes
+        self._patch_run = cache_writer.choose(implementation, mesh.devices.flat[0], slot_bytes, interpret=interpret).run
         self.implementation = implementation
         self.interpret = interpret
         self._lanes: dict[Hashable, LaneState] = {}
@@ -179,7 +182,9 @@ class PrefetchOrchestrator:
             raise ValueError(f"plan: P={plan.padded_tokens} exceeds the pool's capacity C={self.memory.capacity}")
         full_ckv.check_block_table(plan, block_table)
         self._plan = plan
-        self._table, self._local_cu = full_ckv.replicated(self.mesh, block_table, plan.local_cu_seq_lens)
+        # placed once per step: every gather and patch of the step reuses them
+        self._table, self._local_cu, self._rows = full_ckv.replicated(self.mesh, block_table, plan.local_cu_seq_lens,
+                                                                      full_ckv.chunk_rows(plan))
         for state in self._lanes.values():
             state.pending.clear()
             state.last_layer = None
@@ -222,9 +227,12 @@ class PrefetchOrchestrator:
         if layer in state.pending:
             index = state.pending.pop(layer)
             ring = self.pool.ring(state.lane)
+            if validation.check_values(self.fmt, kv_c, k_pe) != plan.num_tokens:
+                raise ValueError(f"kv_c: expected [{plan.num_tokens}, {self.fmt.nope_dim}] (the step's query "
+                                 f"tokens), got {validation.describe(kv_c)}")
             slot = ring[index]
-            ring[index] = full_ckv.patch_current_chunk(slot, kv_c, k_pe, plan, self.fmt, after=after,
-                                                       implementation=self.implementation, interpret=self.interpret)
+            ring[index] = full_ckv.patch_placed(slot, kv_c, k_pe, self._rows, after, layout=self.fmt.layout,
+                                                run=self._patch_run, interpret=self.interpret)
             _check_reused(slot, index)
             ws, how = ring[index], "prefetched"
         else:

@@ -5,9 +5,9 @@ Needs torch (`pip install 'ckv-jax[torch]'`); the core library never imports it.
 from interop.adapter import TorchCkvAdapter
 from interop.attention_layout import attention_layout, compact_attention_output
 from interop.bridge import (ALIGNMENT, ALLOWED_DTYPES, CudaGraphCaptureError, check_not_capturing, int32_indices,
-                            order_token, to_jax, to_torch)
+                            join_stream, to_jax, to_torch)
 from interop.memory import configure_jax_memory, planned_pool_bytes
 
 __all__ = ["ALIGNMENT", "ALLOWED_DTYPES", "CudaGraphCaptureError", "TorchCkvAdapter", "attention_layout",
            "check_not_capturing", "compact_attention_output", "configure_jax_memory", "int32_indices",
-           "order_token", "planned_pool_bytes", "to_jax", "to_torch"]
+           "join_stream", "planned_pool_bytes", "to_jax", "to_torch"]

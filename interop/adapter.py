@@ -15,8 +15,8 @@ of one `jax.distributed` run, whose mesh axis `dcp` spans one device per process
     adapter.close()
 
 The work of `gather` runs on JAX's stream: the prefetches of layers L+1..L+N overlap torch's
-compute of layer L.  Ordering follows `interop.bridge`: each call imports a fresh token from
-torch's current stream and every JAX computation it dispatches takes it as an input (so it runs
+compute of layer L.  Ordering follows `interop.bridge`: each call imports the chunk's latents from
+torch's current stream and every JAX computation it dispatches takes them as an input (so it runs
 after torch's cache writes and after torch's reads of a reused slot); the returned workspace is
 a torch view of the ring slot, exported so that torch's stream waits for the gather and patch.
 Torch tensors the calls imported are kept alive until the step is drained (next `begin_step`
@@ -110,10 +110,12 @@ class TorchCkvAdapter:
 
     def set_current_chunk(self, kv_c: torch.Tensor, k_pe: torch.Tensor):
         """The current chunk's latents of all T tokens of the step (every rank holds them all),
-        for the patch of the next `gather`: kv_c bf16[T, 512] and k_pe bf16[T, 64] on this GPU."""
+        for the patch of the next `gather`: kv_c bf16[T, 512] and k_pe bf16[T, 64] on this GPU.
+        Checked now, imported by `gather` (so the import is also the fresh one that orders it)."""
         self._require_step("set_current_chunk")
-        self._chunk = (self._replicated(bridge.to_jax(kv_c, name="kv_c", device=self.device), kv_c),
-                       self._replicated(bridge.to_jax(k_pe, name="k_pe", device=self.device), k_pe))
+        bridge.check_tensor("kv_c", kv_c, self.device)
+        bridge.check_tensor("k_pe", k_pe, self.device)
+        self._chunk = (kv_c, k_pe)
 
     def gather(self, layer_idx: int | None, kv_cache: torch.Tensor, *, lane="target",
                after: torch.cuda.Event | torch.cuda.Stream | None = None) -> torch.Tensor:
@@ -127,11 +129,13 @@ class TorchCkvAdapter:
         if self._chunk is None:
             raise RuntimeError("gather: call set_current_chunk(kv_c, k_pe) for this layer first")
         cache = self._cache(lane, layer_idx, kv_cache)
-        token, token_tensor = bridge.order_token(kv_cache.device, after=after)
-        self._keepalive.append(token_tensor)
-        kv_c, k_pe = self._chunk
+        bridge.join_stream(kv_cache.device, after)
+        # imported now, after the engine's cache write: every computation of this call takes kv_c
+        # as an input, which orders it after torch's work so far (writes, and reads of reused slots)
+        kv_c, k_pe = (self._replicated(bridge.to_jax(t, name=n, device=self.device), t)
+                      for n, t in zip(("kv_c", "k_pe"), self._chunk))
         self._chunk = None
-        ws = self.orch.gather(layer_idx, cache, kv_c, k_pe, key=lane, after=self._replicated(token, token_tensor))
+        ws = self.orch.gather(layer_idx, cache, kv_c, k_pe, key=lane, after=kv_c)
         return bridge.to_torch(ws.addressable_shards[0].data, name="workspace")
 
     def remap_topk(self, topk: torch.Tensor):

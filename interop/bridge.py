@@ -10,9 +10,9 @@ torch's memory, so a version that starts copying fails loudly instead of racing.
 Ordering (CUDA).  DLPack orders an import after the work on torch's *current* stream at that
 moment, and an export (`to_torch`) makes torch's current stream wait for the JAX array.  So:
 a JAX computation is ordered after torch's writes when one of its inputs was imported after
-them (see `order_token`), and torch's later writes are ordered after the JAX reads when torch
+them, and torch's later writes are ordered after the JAX reads when torch
 first imports an output of that computation.  Writes made on another torch stream must be joined
-into the current stream first (`order_token(after=...)`).
+into the current stream first (`join_stream`).
 
 Under `torch.cuda` graph capture every entry raises `CudaGraphCaptureError` (JAX launches on its
 own streams cannot be captured), so an engine can fall back to its stock path.
@@ -117,20 +117,17 @@ def int32_indices(tensor: torch.Tensor, *, name: str = "indices") -> torch.Tenso
     return tensor.to(torch.int32).contiguous()
 
 
-def order_token(device: torch.device, *, after: torch.cuda.Event | torch.cuda.Stream | None = None) -> jax.Array:
-    """A fresh one-element import whose readiness covers all work queued so far on torch's current
-    stream of `device` (and on `after`, an event or stream of writes made elsewhere).  Passed as an
-    input to a JAX computation, it orders that computation after that work."""
-    check_not_capturing("order_token")
-    if after is not None:
-        if device.type != "cuda":
-            raise ValueError("after: an event or stream only applies to CUDA tensors")
-        stream = torch.cuda.current_stream(device)
-        if isinstance(after, torch.cuda.Event):
-            stream.wait_event(after)
-        elif isinstance(after, torch.cuda.Stream):
-            stream.wait_stream(after)
-        else:
-            raise TypeError(f"after: expected a torch.cuda.Event or torch.cuda.Stream, got {type(after).__name__}")
-    token = torch.empty(ALIGNMENT // 4, dtype=torch.int32, device=device)
-    return to_jax(token, name="order_token"), token
+def join_stream(device: torch.device, after: torch.cuda.Event | torch.cuda.Stream | None):
+    """Make torch's current stream of `device` wait for `after` (an event or stream of writes made
+    elsewhere), so the next import orders JAX's work after them too."""
+    if after is None:
+        return
+    if device.type != "cuda":
+        raise ValueError("after: an event or stream only applies to CUDA tensors")
+    stream = torch.cuda.current_stream(device)
+    if isinstance(after, torch.cuda.Event):
+        stream.wait_event(after)
+    elif isinstance(after, torch.cuda.Stream):
+        stream.wait_stream(after)
+    else:
+        raise TypeError(f"after: expected a torch.cuda.Event or torch.cuda.Stream, got {type(after).__name__}")

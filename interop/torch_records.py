@@ -32,7 +32,9 @@ def encode(format, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         return torch.cat([nope, rope], dim=1)
     x = kv_c.float().reshape(t, lay.num_blocks, lay.quant_block)
     amax = torch.nan_to_num(x, nan=0.0).abs().amax(dim=-1)
-    scale = torch.clamp(amax / FP8_MAX, min=torch.finfo(torch.float32).tiny)
+    # a tensor divisor, not a Python number: torch on CUDA turns division by a scalar into a
+    # multiplication by its reciprocal, which is off by an ulp from IEEE division
+    scale = torch.clamp(amax / torch.full_like(amax, FP8_MAX), min=torch.finfo(torch.float32).tiny)
     q = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     nope = q.view(torch.uint8).reshape(t, lay.nope_dim)
     return torch.cat([nope, scale.contiguous().view(torch.uint8).reshape(t, 4 * lay.num_blocks), rope], dim=1)

@@ -96,3 +96,12 @@ def test_prefetch_stays_exact_while_torch_writes_and_churns(depth):
                 np.testing.assert_array_equal(got[layer].cpu().numpy(), np.asarray(expect),
                                               err_msg=f"depth {depth} layer {layer}")
     adapter.close()
+
+
+def test_torch_records_on_cuda_are_the_library_encoding():
+    from interop import torch_records
+    kv = (torch.randn(4096, 512, device="cuda") * torch.rand(4096, 1, device="cuda") * 30).to(torch.bfloat16)
+    pe = torch.randn(4096, 64, device="cuda").to(torch.bfloat16)
+    fmt = formats.get("fp8_ds_mla")
+    want = np.asarray(fmt.encode(interop.to_jax(kv), interop.to_jax(pe)))
+    np.testing.assert_array_equal(torch_records.encode(fmt.name, kv, pe).cpu().numpy(), want)
