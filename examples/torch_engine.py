@@ -48,6 +48,7 @@ def run(args) -> int:
     from interop import torch_records
 
     device = "cuda" if torch.cuda.is_available() and jax.default_backend() == "gpu" else "cpu"
+    jax.config.update("jax_default_matmul_precision", "highest")    # float32 like torch (no TF32)
     fmt = formats.get("fp8_ds_mla")
     gen = torch.Generator().manual_seed(args.seed)
     heads, d_model, block = args.heads, args.d_model, 16
@@ -87,7 +88,7 @@ def run(args) -> int:
             n = min(args.topk, p + 1)
             topk[t, :n] = rng.choice(p + 1, size=n, replace=False)
         x0 = torch.randn(q_len, d_model, generator=gen)
-        slots = torch.tensor(layout.slot_mapping(pos, plan.req_id_per_token, table.cpu().numpy(), 0), device=device)
+        slots = layout.slot_mapping(pos, plan.req_id_per_token, table.cpu().numpy(), 0)      # host, as metadata is
 
         # the engine's step, in torch
         assert adapter.begin_step(seq, qlens, table)
@@ -115,13 +116,17 @@ def run(args) -> int:
         got = x.cpu().numpy()
         scale = np.abs(ref - x0.numpy()).max()
         err = np.abs(got - ref).max()
-        # layer 0 sees identical inputs on both sides, so its cache must be byte-identical; deeper
-        # layers' inputs differ by float noise, which flips an occasional fp8 rounding
-        first_cache_same = np.array_equal(caches[0].cpu().numpy(), np.asarray(jax_caches[0]))
-        good = err <= 0.02 * scale and first_cache_same
+        # Both sides write the same records from the same latents; the latents themselves come
+        # from float32 matmuls whose summation order differs between torch and XLA (on a GPU
+        # also cuBLAS vs XLA kernels), which flips an occasional bf16 or fp8 rounding: layer 0's
+        # records must agree almost everywhere (on the CPU they agree exactly).
+        a, b = caches[0].cpu().numpy(), np.asarray(jax_caches[0])
+        written = np.unique(slots[slots >= 0])
+        same = np.all(a.reshape(-1, a.shape[-1])[written] == b.reshape(-1, b.shape[-1])[written], axis=1).mean()
+        good = err <= 0.02 * scale and (same == 1.0 if device == "cpu" else same >= 0.99)
         ok &= good
         print(f"  chunk at {done:>5}: max |torch engine - pure JAX| = {err:.2e} (update scale {scale:.2e}), "
-              f"layer-0 cache identical: {first_cache_same} -> {'match' if good else 'MISMATCH'}", flush=True)
+              f"layer-0 records identical: {100 * same:.2f}% -> {'match' if good else 'MISMATCH'}", flush=True)
         done += q_len
     adapter.close()
     print("all chunks match" if ok else "MISMATCH")

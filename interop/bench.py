@@ -48,7 +48,7 @@ class _Setup:
         self.pe = torch.randn(chunk, 64, device="cuda").to(torch.bfloat16)
         self.records = torch_records.encode(FMT.name, self.kv, self.pe)
         slots = self.layout.slot_mapping(self.plan.positions(), self.plan.req_id_per_token, self.table.cpu().numpy(), 0)
-        self.slots = torch.tensor(slots, device="cuda")
+        self.slots = slots                                # host slots: the write never syncs
         self.adapter = interop.TorchCkvAdapter(
             world_size=1, format=FMT.name, max_num_seqs=1, block_size=block_size, min_world_size=1,
             config=GatherConfig(enabled=True, depth=depth, workspace_mib=0, min_tokens=1, max_tokens=context))

@@ -7,6 +7,7 @@ little-endian.  nvfp4_ds_mla is not provided in torch (write it through ckv-jax)
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ckv_jax import formats
@@ -40,11 +41,24 @@ def encode(format, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     return torch.cat([nope, scale.contiguous().view(torch.uint8).reshape(t, 4 * lay.num_blocks), rope], dim=1)
 
 
-def write(cache: torch.Tensor, records: torch.Tensor, slot_mapping: torch.Tensor):
-    """cache u8[num_blocks, block_size, R] in place: records[t] -> flat slot slot_mapping[t]
-    (negative slots are skipped, as vLLM's padding)."""
-    keep = slot_mapping >= 0
-    cache.view(-1, cache.shape[-1])[slot_mapping[keep].long()] = records[keep]
+def write(cache: torch.Tensor, records: torch.Tensor, slot_mapping):
+    """cache u8[num_blocks, block_size, R] in place: records[t] -> flat slot slot_mapping[t],
+    negative slots (other ranks' tokens, padding) skipped.
+
+    slot_mapping: host int[T] (numpy or a CPU tensor, as a step's metadata is built): the
+    negative entries are dropped on the host, so the write never synchronizes with the GPU (a
+    boolean mask on a device tensor would).
+    """
+    if isinstance(slot_mapping, torch.Tensor):
+        if slot_mapping.device.type != "cpu":
+            raise ValueError(f"slot_mapping: expected host slots (numpy or a CPU tensor), got a tensor on "
+                             f"{slot_mapping.device}; masking it on the device would synchronize")
+        slot_mapping = slot_mapping.numpy()
+    slots = np.asarray(slot_mapping)
+    keep = np.flatnonzero(slots >= 0)
+    rows = torch.from_numpy(keep).to(records.device, non_blocking=True)
+    dest = torch.from_numpy(slots[keep].astype(np.int64)).to(records.device, non_blocking=True)
+    cache.view(-1, cache.shape[-1]).index_copy_(0, dest, records.index_select(0, rows))
 
 
 def decode(format, records: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ class TorchEngine:
         for r, n in enumerate(per_req):
             table[r, :n] = ids[k:k + n]
             k += n
+        self.table_host = table                               # the engine builds metadata on the host
         self.block_table = torch.tensor(table, device=device)
         gen = torch.Generator().manual_seed(1000 + rank)
         # garbage in every slot before the step writes: stale bytes must never reach a workspace
@@ -42,7 +43,5 @@ class TorchEngine:
 
     def write(self, layer, plan, kv, pe):
         """This rank's share of the chunk into its cache of `layer` (the DCP slot mapping)."""
-        slots = self.layout.slot_mapping(plan.positions(), plan.req_id_per_token, self.block_table.cpu().numpy(),
-                                         self.rank)
-        torch_records.write(self.caches[layer], torch_records.encode(self.fmt.name, kv, pe),
-                            torch.tensor(slots, device=self.device))
+        slots = self.layout.slot_mapping(plan.positions(), plan.req_id_per_token, self.table_host, self.rank)
+        torch_records.write(self.caches[layer], torch_records.encode(self.fmt.name, kv, pe), slots)
