@@ -75,6 +75,8 @@ def gather_workspace_in_shard_map(cache, block_table, rank_local_cu, *, num_rows
 
     rank_local_cu: i32[D, R + 1] (the plan's local_cu_seq_lens, replicated).
     """
+    if num_rows == 0:        # no history on any rank: XLA rejects a zero-size all-gather
+        return jnp.zeros((0, cache.shape[2]), cache.dtype)
     rank = lax.axis_index(axis_name)
     local = pack_local(cache, block_table, rank_local_cu[rank], num_rows=num_rows,
                        implementation=implementation, interpret=interpret)
@@ -92,6 +94,8 @@ def all_gather_ckv(caches, block_table, plan: StepPlan, *, mesh: jax.sharding.Me
         sharded over `axis_name` (rank d holds rows [d * num_blocks, (d + 1) * num_blocks)).
       block_table: i32[R, max_blocks], shared by all ranks.
       plan: the step plan (`build_step_plan`); its world size must equal the axis size.
+      validate: opt-in data checks (default `CKV_JAX_VALIDATE`): block ids of every valid
+        prefix in range before the gather, finite scales in every gathered record after it.
     Returns:
       u8[D * P, R], replicated: rank o's shard of request r at rows
       `o * P + plan.rank_req_starts[o, r] + local`, zeros past each rank's total.
@@ -111,8 +115,12 @@ def all_gather_ckv(caches, block_table, plan: StepPlan, *, mesh: jax.sharding.Me
                          f"got {validation.describe(caches)}")
     check_block_table(plan, block_table, caches.shape[0] // d, validate)
     table, local_cu = replicated(mesh, block_table, plan.local_cu_seq_lens)
-    return all_gather_placed(caches, table, local_cu, mesh=mesh, axis_name=axis_name, num_rows=plan.padded_tokens,
-                             implementation=static_implementation(implementation), interpret=interpret)
+    workspace = all_gather_placed(caches, table, local_cu, mesh=mesh, axis_name=axis_name,
+                                  num_rows=plan.padded_tokens, implementation=static_implementation(implementation),
+                                  interpret=interpret)
+    if validation.validation_enabled(validate):
+        validation.check_finite_scales(fmt, workspace, plan)
+    return workspace
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "num_rows", "implementation", "interpret"))

@@ -107,3 +107,29 @@ def check_slot_values(slot_mapping, num_slots: int):
         dup = int(uniq[np.argmax(counts > 1)])
         where = np.flatnonzero(slots == dup).tolist()
         raise ValueError(f"slot_mapping: slot {dup} appears at entries {where}; valid slots must be unique")
+
+
+def check_finite_scales(fmt, workspace, plan):
+    """Opt-in: every record a rank contributed to the gathered workspace u8[D * P, R] has finite
+    quantization scales (rows past a rank's total are padding and not checked).  A non-finite
+    scale comes from a corrupt cache slot inside a request's valid prefix."""
+    names = {"tile_scales_f32": np.float32, "group_scales_e4m3": None}
+    segments = [s for s in fmt.layout.segments if s.name in names]
+    if not segments:
+        return
+    ws = concrete("workspace", workspace)
+    for owner in range(plan.world_size):
+        count = int(plan.local_cu_seq_lens[owner, -1])
+        rows = ws[owner * plan.padded_tokens: owner * plan.padded_tokens + count]
+        for seg in segments:
+            raw = np.ascontiguousarray(rows[:, seg.offset:seg.offset + seg.width])
+            if seg.name == "tile_scales_f32":
+                bad = ~np.isfinite(raw.view(np.float32)).all(axis=1)
+            else:                                         # e4m3fn: 0x7F / 0xFF are its only NaNs
+                bad = ((raw & 0x7F) == 0x7F).any(axis=1)
+            hit = np.flatnonzero(bad)
+            if hit.size:
+                j = int(hit[0])
+                raise ValueError(f"caches: rank {owner} local record {j} (workspace row "
+                                 f"{owner * plan.padded_tokens + j}) has a non-finite {seg.name} scale; expected "
+                                 "finite scales in every record of a request's valid prefix")

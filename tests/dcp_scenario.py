@@ -27,10 +27,11 @@ class Scenario:
 
 
 def build(world_size, interleave, fmt_name, seq_lens, query_lens, *, block_size=8, seed=0,
-          extra_blocks=5, writer="xla", history_only=False, kv_seed=None, written=None):
+          extra_blocks=5, writer="xla", history_only=False, kv_seed=None, written=None, special=()):
     """history_only: leave the current chunk's slots as they were (random bytes), as a cache looks
     before the step's layer writes its chunk; written: per request, how many leading positions
-    the caches hold (overrides history_only)."""
+    the caches hold (overrides history_only); special: values ("nan", "inf", "subnormal") to
+    scatter into the latents (a few elements per request)."""
     rng = np.random.default_rng(seed)
     layout = DcpLayout(world_size, interleave, block_size)
     fmt = formats.get(fmt_name)
@@ -51,6 +52,13 @@ def build(world_size, interleave, fmt_name, seq_lens, query_lens, *, block_size=
     rng = rng if kv_seed is None else np.random.default_rng(kv_seed)    # same table, other values
     kv_c = [(rng.standard_normal((n, 512)) * rng.uniform(0.1, 10)).astype(ml_dtypes.bfloat16) for n in seq_lens]
     k_pe = [rng.standard_normal((n, 64)).astype(ml_dtypes.bfloat16) for n in seq_lens]
+    values = {"nan": np.nan, "inf": np.inf, "subnormal": 3e-40}        # 3e-40 is subnormal in bf16
+    for name in special:
+        for kv in kv_c:
+            if kv.size:
+                flat = kv.reshape(-1)
+                at = rng.integers(0, flat.size, size=3)
+                flat[at] = np.array([values[name], -values[name], values[name]]).astype(ml_dtypes.bfloat16)
     caches = []
     for rank in range(world_size):
         cache = jnp.asarray(rng.integers(0, 256, (num_blocks, block_size, fmt.record_bytes), dtype=np.uint8))

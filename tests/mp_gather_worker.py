@@ -1,6 +1,6 @@
 """One process of the 2-process x 2-device full-CKV gather test (run by test_multiprocess.py).
 
-usage: python mp_gather_worker.py PROCESS_ID NUM_PROCESSES PORT OUT.npy
+usage: python mp_gather_worker.py PROCESS_ID NUM_PROCESSES PORT OUT.npy [--die]
 """
 import os
 import sys
@@ -15,8 +15,11 @@ import numpy as np  # noqa: E402
 
 def main():
     pid, nproc, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    # short heartbeats: when a peer dies, the survivor's collective fails within seconds
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
-                               initialization_timeout=60)
+                               initialization_timeout=60, heartbeat_timeout_seconds=10)
+    if "--die" in sys.argv:                                   # the fault test: vanish mid-run
+        os._exit(3)
     import dcp_scenario
     from ckv_jax import full_ckv
     from mp_case import CASE
