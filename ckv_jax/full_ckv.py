@@ -218,14 +218,17 @@ def patch_current_chunk(workspace, kv_c, k_pe, plan: StepPlan, format: str | for
     if validation.check_values(fmt, kv_c, k_pe) != plan.num_tokens:
         raise ValueError(f"kv_c: expected [{plan.num_tokens}, {fmt.nope_dim}] (the step's query tokens), "
                          f"got {validation.describe(kv_c)}")
-    impl = cache_writer.choose(implementation, _registry.device_of(workspace), workspace.size, interpret=interpret)
+    if not isinstance(implementation, (str, type(None))):
+        implementation = tuple(implementation)
+    run = cache_writer.select(implementation, _registry.device_of(workspace), workspace.size, plan.num_tokens,
+                              fmt.layout, interpret)
     return patch_placed(workspace, kv_c, k_pe, jnp.asarray(chunk_rows(plan)), after, layout=fmt.layout,
-                        run=impl.run, interpret=interpret)
+                        run=run, interpret=interpret)
 
 
 def patch_placed(workspace, kv_c, k_pe, rows, after=None, *, layout, run, interpret=False):
     """`patch_current_chunk` without its host checks, for callers that checked the step once and
-    hold its i32[T] `chunk_rows` on the device and the writer backend's `run` (`cache_writer.choose`)."""
+    hold its i32[T] `chunk_rows` on the device and the writer backend's `run` (`cache_writer.select`)."""
     return _patch_jit(workspace, kv_c, k_pe, rows, after, layout=layout, run=run, interpret=interpret)
 
 

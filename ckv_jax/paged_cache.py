@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from ckv_jax import formats, validation
-from pallas_kernels import cache_writer
+from pallas_kernels import cache_writer, paged_gather
 
 
 def empty_cache(num_blocks: int, block_size: int, format: str | formats.RecordFormat,
@@ -56,11 +56,20 @@ def write_records(cache: jax.Array, kv_c: jax.Array, k_pe: jax.Array, slot_mappi
                                       implementation=implementation, interpret=interpret)
 
 
-@jax.jit
-def read_records(cache: jax.Array, slots: jax.Array) -> jax.Array:
-    """cache u8[num_blocks, block_size, R], slots i32[N] -> u8[N, R]; slots outside the cache read zeros."""
-    num_blocks, block_size, record_bytes = cache.shape
-    num_slots = num_blocks * block_size
-    flat = cache.reshape(num_slots, record_bytes)
-    rows = jnp.where((slots >= 0) & (slots < num_slots), slots, num_slots)   # -1 would wrap
-    return jnp.take(flat, rows, axis=0, mode="fill", fill_value=0)
+def read_records(cache: jax.Array, slots: jax.Array, *, implementation: str | Sequence[str] | None = None,
+                 interpret: bool = False) -> jax.Array:
+    """The records at `slots` (the token gather: decode-sized lists, top-k rows).
+
+    Args:
+      cache: u8[num_blocks, block_size, R].
+      slots: i32[N]; slots outside [0, num_blocks * block_size), -1 included, read zero rows.
+      implementation: None (the measured choice for the device and size), "pallas_triton",
+        "xla", or a sequence tried in order.
+    Returns:
+      u8[N, R].
+    """
+    if cache.ndim != 3 or cache.dtype != jnp.uint8:
+        raise TypeError(f"cache: expected uint8[num_blocks, block_size, R], got {cache.dtype}{list(cache.shape)}")
+    if slots.ndim != 1 or slots.dtype != jnp.int32:
+        raise TypeError(f"slots: expected int32[N], got {slots.dtype}{list(slots.shape)}")
+    return paged_gather.gather_slots(cache, slots, implementation=implementation, interpret=interpret)

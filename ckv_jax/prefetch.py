@@ -123,8 +123,8 @@ class PrefetchOrchestrator:
         if self.memory.depth and not self.depth:
             log.debug("format %s has no lookahead; gathering synchronously", self.fmt.name)
         self.pool = WorkspacePool(mesh, self.memory, layout.world_size, self.fmt.record_bytes)
-        slot_bytes = layout.world_size * self.memory.capacity * self.fmt.record_bytes
-        self._patch_run = cache_writer.choose(implementation, mesh.devices.flat[0], slot_bytes, interpret=interpret).run
+        self._slot_bytes = layout.world_size * self.memory.capacity * self.fmt.record_bytes
+        self._patch_run = None
         self.implementation = implementation
         self.interpret = interpret
         self._lanes: dict[Hashable, LaneState] = {}
@@ -182,6 +182,10 @@ class PrefetchOrchestrator:
             raise ValueError(f"plan: P={plan.padded_tokens} exceeds the pool's capacity C={self.memory.capacity}")
         full_ckv.check_block_table(plan, block_table)
         self._plan = plan
+        impl = self.implementation
+        impl = tuple(impl) if not isinstance(impl, (str, type(None))) else impl
+        self._patch_run = cache_writer.select(impl, self.mesh.devices.flat[0], self._slot_bytes, plan.num_tokens,
+                                              self.fmt.layout, self.interpret)   # the tuned backend for T tokens
         # placed once per step: every gather and patch of the step reuses them
         self._table, self._local_cu, self._rows = full_ckv.replicated(self.mesh, block_table, plan.local_cu_seq_lens,
                                                                       full_ckv.chunk_rows(plan))

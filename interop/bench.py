@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import functools
 import json
 import statistics
@@ -130,6 +132,61 @@ def overhead(layers: int, trials: int) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _timing(targets, timers):
+    """Wrap each (owner, attribute, label) with a host timer that appends to timers[label]
+    (nested calls are timed each on its own: an outer label includes its inner ones)."""
+    saved = []
+    for owner, attr, label in targets:
+        fn = getattr(owner, attr)
+
+        def timed(*a, _fn=fn, _name=label, **k):
+            start = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                timers[_name].append(time.perf_counter() - start)
+
+        saved.append((owner, attr, fn))
+        setattr(owner, attr, timed)
+    try:
+        yield
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+
+
+def breakdown(layers: int, trials: int, with_compute: bool) -> dict:
+    """Host time per layer of each piece of the adapter calls, measured inside the layer loop
+    (with_compute: torch queues ~1 ms of matmuls per layer first, as in the overlap run)."""
+    s = _Setup(context=256, chunk=64, layers=layers, depth=0)
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    compute = (lambda: [a @ a for _ in range(4)]) if with_compute else None
+    for _ in range(3):
+        s.step(compute)
+    torch.cuda.synchronize()
+    timers = collections.defaultdict(list)
+    targets = [(jax.dlpack, "from_dlpack", "from_dlpack"), (interop.bridge, "to_jax", "to_jax"),
+               (interop.bridge, "to_torch", "to_torch"),
+               (jax, "make_array_from_single_device_arrays", "make_array_from_single_device_arrays"),
+               (s.adapter.orch, "gather", "orchestrator_gather"), (torch_records, "write", "torch_records_write"),
+               (s.adapter, "set_current_chunk", "set_current_chunk"), (s.adapter, "gather", "adapter_gather"),
+               (s.adapter, "begin_step", "begin_step")]
+    totals = []
+    with _timing(targets, timers):
+        for _ in range(trials):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            s.step(compute)
+            totals.append(time.perf_counter() - start)
+            torch.cuda.synchronize()
+    s.adapter.close()
+    per_layer = {f"{name}_us": sum(ts) / (trials * layers) * 1e6 for name, ts in timers.items()}
+    per_layer["calls_per_layer"] = {name: len(ts) / (trials * layers) for name, ts in timers.items()}
+    per_layer["step_per_layer_us"] = statistics.median(totals) / layers * 1e6
+    return per_layer
+
+
 def _event_ms(fn, trials=5) -> float:
     times = []
     for _ in range(trials):
@@ -187,14 +244,20 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--depths", default="0,1,2")
     ap.add_argument("--out", default="interop.json")
+    ap.add_argument("--skip-overlap", action="store_true", help="only the host-cost measurements")
     args = ap.parse_args(argv)
     if not (torch.cuda.is_available() and jax.default_backend() == "gpu"):
         print("interop.bench needs torch and JAX on a CUDA GPU", file=sys.stderr)
         return 2
     over = overhead(layers=32, trials=9)
     print("per-layer host overhead (us): " + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in over.items()), flush=True)
+    pieces = {}
+    for with_compute in (False, True):
+        pieces["with_compute" if with_compute else "idle_gpu"] = b = breakdown(32, 5, with_compute)
+        print(f"host time per layer inside the loop ({'torch matmuls queued' if with_compute else 'idle GPU'}): "
+              + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in b.items() if k.endswith("_us")), flush=True)
     rows = []
-    for side in (False, True):
+    for side in () if args.skip_overlap else (False, True):
         for r in overlap(args.context, args.chunk, args.layers, [int(d) for d in args.depths.split(",")], side):
             rows.append(dict(r, torch_stream="side" if side else "default"))
     print(f"\n{'torch stream':>12} {'depth':>5} {'X ms/layer':>10} {'Y ms/layer':>10} {'step ms':>8} {'X+Y':>8} "
@@ -206,7 +269,7 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), jax=jax.__version__, torch=torch.__version__,
                        command="python -m interop.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-                       overhead=over, overlap=rows), f, indent=1)
+                       overhead=over, breakdown=pieces, overlap=rows), f, indent=1)
     return 0
 
 

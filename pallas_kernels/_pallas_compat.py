@@ -30,6 +30,15 @@ def silence_triton_deprecation():
     warnings.filterwarnings("ignore", message=".*[Tt]riton.*deprecated.*", category=DeprecationWarning)
 
 
+def mosaic_gpu_interpret_params():
+    """Mosaic GPU's interpret-mode parameters (a private module in jax 0.10-0.11), or None."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except ImportError:
+        return None
+    return InterpretGPUParams()
+
+
 def on_gpu(device: jax.Device | None = None) -> bool:
     device = device or jax.devices()[0]
     return device.platform == "gpu"

@@ -33,15 +33,32 @@ def triton_supported(device: jax.Device, nbytes: int) -> tuple[bool, str]:
     return True, ""
 
 
+def mosaic_gpu_supported(device: jax.Device, nbytes: int) -> tuple[bool, str]:
+    """Mosaic GPU kernels with bulk async copies (TMA) need an SM90+ GPU."""
+    if compat.plgpu is None:
+        return False, f"jax.experimental.pallas.mosaic_gpu unavailable: {compat.MOSAIC_GPU_IMPORT_ERROR}"
+    if not compat.on_gpu(device):
+        return False, f"needs a GPU (device is {device.platform}); use interpret=True on CPU"
+    capability = getattr(device, "compute_capability", None)
+    try:
+        major = int(str(capability).split(".")[0])
+    except ValueError:
+        return False, f"unknown compute capability {capability!r}"
+    if major < 9:
+        return False, f"needs compute capability 9.0+ (bulk async copies), device has {capability}"
+    return True, ""
+
+
 def choose(registry: Mapping[str, Implementation], default_order: Sequence[str],
            implementation: str | Sequence[str] | None, device: jax.Device, nbytes: int,
-           *, interpret: bool = False) -> Implementation:
-    """The first supported implementation of `implementation` (None: `default_order`).
+           *, interpret: bool = False, tuned_order: Sequence[str] | None = None) -> Implementation:
+    """The first supported implementation of `implementation` (None: `tuned_order`, the measured
+    order of `tuning.lookup`, followed by the rest of `default_order`).
 
     With `interpret=True` a Pallas implementation is always usable (interpret mode runs anywhere).
     """
-    if implementation is None:
-        names: Sequence[str] = default_order
+    if implementation is None:       # the measured order, then whatever it left out as fallbacks
+        names: Sequence[str] = tuple(tuned_order or ()) + tuple(n for n in default_order if n not in (tuned_order or ()))
     elif isinstance(implementation, str):
         names = (implementation,)
     else:

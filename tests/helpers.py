@@ -1,4 +1,9 @@
-"""Random inputs and comparisons shared by the tests."""
+"""Random inputs, comparisons and worker processes shared by the tests."""
+import os
+import socket
+import subprocess
+import sys
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -28,3 +33,35 @@ def assert_bytes_equal(got, want, what="records"):
     bad = np.argwhere(got != want)
     assert bad.size == 0, f"{what}: {len(bad)} bytes differ, first at {bad[:4].tolist()}: " \
         f"got {got[tuple(bad[0])]} want {want[tuple(bad[0])]}"
+
+
+HERE = os.path.dirname(__file__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(script, extra_args, *, num=2, timeout=240, wait_for=None):
+    """Run `num` CPU-only JAX processes of tests/`script` with arguments (pid, num, port,
+    *extra_args(pid)); wait for those in `wait_for` (default all), then kill any still running.
+    Returns (processes, {pid: combined stdout and stderr of the awaited ones})."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, script), str(pid), str(num), str(port),
+                               *extra_args(pid)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for pid in range(num)]
+    logs = {}
+    try:
+        for pid in range(num) if wait_for is None else wait_for:
+            logs[pid] = procs[pid].communicate(timeout=timeout)[0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    return procs, logs

@@ -12,6 +12,13 @@ from pallas_kernels.paged_gather import pallas_triton
 NAMES = ["fp8_ds_mla", "nvfp4_ds_mla", "bf16"]
 
 
+@pytest.fixture(params=["xla", "pallas_triton:interpret", "pallas_mosaic_gpu:interpret",
+                        pytest.param("pallas_triton:compiled", marks=pytest.mark.gpu),
+                        pytest.param("pallas_mosaic_gpu:compiled", marks=pytest.mark.gpu)])
+def records_implementation(request):
+    """The implementations of the raw paged gather (Mosaic GPU has only this op)."""
+    name, _, mode = request.param.partition(":")
+    return dict(implementation=name, interpret=mode == "interpret")
 
 
 def _case(name, seed=0, num_blocks=14, block_size=8):
@@ -42,10 +49,10 @@ def _numpy_model(cache, table, cu, num_rows):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_gather_records_matches_numpy_model(name, implementation):
+def test_gather_records_matches_numpy_model(name, records_implementation):
     fmt, cache, table, cu, rows = _case(name)
     got = paged_gather.gather_records(jnp.asarray(cache), jnp.asarray(table), jnp.asarray(cu),
-                                      num_rows=rows, **implementation)
+                                      num_rows=rows, **records_implementation)
     want = _numpy_model(cache, table, cu, rows)
     np.testing.assert_array_equal(np.asarray(got), want)
     assert np.asarray(got)[cu[-1]:].max() == 0, "padding rows are zero"
@@ -68,28 +75,132 @@ def test_gather_dequant_matches_decode(name, implementation):
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want_bf16.view(np.uint16))
 
 
-def test_gather_with_more_rows_than_tiles_and_empty_requests(implementation):
+def test_gather_with_more_rows_than_tiles_and_empty_requests(records_implementation):
     fmt, cache, table, cu, _ = _case("fp8_ds_mla", seed=2)
     cu_empty = np.zeros_like(cu)
     got = paged_gather.gather_records(jnp.asarray(cache), jnp.asarray(table), jnp.asarray(cu_empty),
-                                      num_rows=64, **implementation)
+                                      num_rows=64, **records_implementation)
     assert np.asarray(got).shape == (64, 656) and np.asarray(got).max() == 0
 
 
+# tiles smaller than, equal to and larger than the block (a tile spanning 4 pages), narrow pieces
+CONFIGS = [pallas_triton.GatherConfig(4, 1, 16), pallas_triton.GatherConfig(8, 4, 512),
+           pallas_triton.GatherConfig(32, 8, 128, evict_first=True)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"tile{c.rows_per_tile}_w{c.num_warps}_p{c.max_piece_bytes}_e{int(c.evict_first)}")
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("config", [pallas_triton.GatherConfig(), pallas_triton.GatherConfig(8192, 32, 8)])
+def test_gather_configs_match_numpy_model(name, config, kernel_mode):
+    fmt, cache, table, cu, rows = _case(name, seed=3)
+    args = (jnp.asarray(cache), jnp.asarray(table), jnp.asarray(cu))
+    interpret = kernel_mode == "interpret"
+    got = pallas_triton.gather_records_triton(*args, num_rows=rows, config=config, interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(got), _numpy_model(cache, table, cu, rows))
+    deq = pallas_triton.gather_dequant_triton(*args, num_rows=rows, layout=fmt.layout, config=config,
+                                              interpret=interpret)
+    ref = paged_gather.gather_dequant_reference(*args, num_rows=rows, layout=fmt.layout)
+    np.testing.assert_array_equal(np.asarray(deq).view(np.uint16), np.asarray(ref).view(np.uint16))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gather_slots_matches_numpy_model(name, implementation):
+    """Random slots over the whole cache with repeats, -1, num_slots and INT32_MAX sentinels, and a
+    length that is not a multiple of any tile."""
+    rng = np.random.default_rng(4)
+    fmt, cache, _, _, _ = _case(name, seed=4)
+    num_slots = cache.shape[0] * cache.shape[1]
+    slots = rng.integers(0, num_slots, 77).astype(np.int32)
+    slots[[3, 10, 40, 76]] = [-1, num_slots, 2 ** 31 - 1, -(2 ** 31)]
+    slots[20] = slots[21]
+    got = np.asarray(paged_gather.gather_slots(jnp.asarray(cache), jnp.asarray(slots), **implementation))
+    flat = cache.reshape(num_slots, -1)
+    want = np.where(((slots >= 0) & (slots < num_slots))[:, None], flat[np.clip(slots, 0, num_slots - 1)], 0)
+    np.testing.assert_array_equal(got, want)
+    assert got[[3, 10, 40, 76]].max() == 0 and got[:3].any(axis=1).all()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"tile{c.rows_per_tile}_w{c.num_warps}_p{c.max_piece_bytes}_e{int(c.evict_first)}")
+def test_gather_slots_configs(config, kernel_mode):
+    rng = np.random.default_rng(5)
+    _, cache, _, _, _ = _case("fp8_ds_mla", seed=5)
+    slots = rng.integers(-3, cache.shape[0] * cache.shape[1] + 3, 45).astype(np.int32)
+    got = pallas_triton.gather_slots_triton(jnp.asarray(cache), jnp.asarray(slots), config=config,
+                                            interpret=kernel_mode == "interpret")
+    want = paged_gather.gather_slots_reference(jnp.asarray(cache), jnp.asarray(slots))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_gather_without_requests_is_all_padding(records_implementation):
+    fmt, cache, _, _, _ = _case("nvfp4_ds_mla")
+    got = paged_gather.gather_records(jnp.asarray(cache), jnp.zeros((0, 4), jnp.int32), jnp.zeros((1,), jnp.int32),
+                                      num_rows=24, **records_implementation)
+    assert got.shape == (24, 432) and np.asarray(got).max() == 0
+
+
+def test_gather_slots_empty_list(implementation):
+    _, cache, _, _, _ = _case("bf16")
+    got = paged_gather.gather_slots(jnp.asarray(cache), jnp.zeros((0,), jnp.int32), **implementation)
+    assert got.shape == (0, 1152)
+
+
+@pytest.mark.parametrize("record_bytes,max_piece,want", [
+    (656, 512, ((0, 512), (512, 128), (640, 16))),
+    (432, 512, ((0, 256), (256, 128), (384, 32), (416, 16))),
+    (1152, 512, ((0, 512), (512, 512), (1024, 128))),
+    (584, 256, ((0, 256), (256, 256), (512, 64), (576, 8))),
+])
+def test_record_pieces_cover_the_record(record_bytes, max_piece, want):
+    assert pallas_triton.record_pieces(record_bytes, max_piece) == want
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("config", [pallas_triton.GatherConfig(), pallas_triton.GatherConfig(16, 8, 256, True)])
 def test_gathers_lower_for_cuda(name, config):
     layout = formats.get(name).layout
     sds = jax.ShapeDtypeStruct
     args = (sds((5000, 64, layout.record_bytes), jnp.uint8), sds((8, 600), jnp.int32), sds((9,), jnp.int32))
     for f in (lambda c, b, u: pallas_triton.gather_records_triton(c, b, u, num_rows=32768, config=config),
               lambda c, b, u: pallas_triton.gather_dequant_triton(c, b, u, num_rows=32768, layout=layout,
-                                                                  config=config)):
+                                                                  config=config),
+              lambda c, b, u: pallas_triton.gather_slots_triton(c, u, config=config)):
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("stablehlo.custom_call") == 1 and "ckv_gather_" in text
 
 
-def test_gather_config_rejects_non_powers_of_two():
-    with pytest.raises(ValueError, match="chunk_bytes"):
-        pallas_triton.GatherConfig(chunk_bytes=3000)
+@pytest.mark.parametrize("field", ["rows_per_tile", "num_warps", "max_piece_bytes"])
+def test_gather_config_rejects_non_powers_of_two(field):
+    with pytest.raises(ValueError, match=field):
+        pallas_triton.GatherConfig(**{field: 48})
 
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+def test_mosaic_gather_pages_partial_pages_and_padding(block_size, kernel_mode):
+    """Every row count 0..block_size of a page (each binary digit of the store), a request ending
+    mid-page followed by padding in the same page, and a table with an out-of-range id."""
+    rng = np.random.default_rng(block_size)
+    fmt = formats.get("fp8_ds_mla")
+    num_blocks = 40
+    cache = rng.integers(0, 256, (num_blocks, block_size, fmt.record_bytes), dtype=np.uint8)
+    lens = np.arange(block_size + 1, dtype=np.int32)[::-1].copy()
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    table = rng.integers(0, num_blocks, (len(lens), 2)).astype(np.int32)
+    table[1, 0] = -5
+    rows = int(cu[-1]) + block_size + 3
+    if kernel_mode == "interpret":
+        args = dict(implementation="pallas_mosaic_gpu", interpret=True)
+    else:
+        args = dict(implementation="pallas_mosaic_gpu")
+    got = paged_gather.gather_records(jnp.asarray(cache), jnp.asarray(table), jnp.asarray(cu), num_rows=rows, **args)
+    np.testing.assert_array_equal(np.asarray(got), _numpy_model(cache, table, cu, rows))
+
+
+def test_mosaic_gather_lowers_for_cuda_with_bulk_copies():
+    sds = jax.ShapeDtypeStruct
+    from pallas_kernels.paged_gather import pallas_mosaic_gpu
+    for record_bytes in (656, 432, 1152):
+        f = lambda c, b, u: pallas_mosaic_gpu.gather_records_mosaic(c, b, u, num_rows=32768)   # noqa: E731
+        text = jax.jit(f).trace(sds((5000, 64, record_bytes), jnp.uint8), sds((8, 600), jnp.int32),
+                                sds((9,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("stablehlo.custom_call") == 1 and "ckv_gather_records_mgpu" in text
+        assert "cp.async.bulk.tensor" not in text, "pages go by plain bulk copies, not tensor maps"

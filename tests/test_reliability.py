@@ -1,9 +1,5 @@
 """Adversarial inputs, determinism and faults across the whole pipeline (writer -> paged caches
 -> pack -> all-gather -> attention).  Outcomes are exact results or the documented error."""
-import os
-import subprocess
-import sys
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,10 +7,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import dcp_scenario
 from ckv_jax import full_ckv, sparse_mla
+from helpers import run_workers
 from test_full_ckv import mesh_of
-from test_multiprocess import _free_port
-
-HERE = os.path.dirname(__file__)
 
 
 @st.composite
@@ -110,20 +104,10 @@ def test_repeated_runs_are_bit_identical():
 
 @pytest.mark.slow
 def test_a_dead_process_makes_the_other_fail_in_bounded_time(tmp_path):
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "mp_gather_worker.py"), str(pid), "2", str(port),
-                               str(tmp_path / f"ws{pid}.npy")] + (["--die"] if pid == 1 else []), env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in range(2)]
-    try:
-        survivor = procs[0].communicate(timeout=150)[0]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+    procs, logs = run_workers("mp_gather_worker.py",
+                              lambda pid: [str(tmp_path / f"ws{pid}.npy")] + (["--die"] if pid == 1 else []),
+                              timeout=150, wait_for=[0])
+    survivor = logs[0]
     assert procs[1].returncode == 3
     assert procs[0].returncode != 0, survivor[-2000:]
     assert "stopped sending heartbeats" in survivor, survivor[-2000:]     # says which task died

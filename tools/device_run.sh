@@ -3,7 +3,10 @@
 # Run from the repository root:  [STAGES="..."] bash tools/device_run.sh   (output under $OUT)
 # Stages (default all, in this order): env tests examples interop writer gather patch prefill
 # sanitizer plot.  KERNEL_ARGS / PREFILL_ARGS / PYTEST_ARGS override the sweeps and the test
-# selection (default: the GPU tests, `-m gpu`).
+# selection (default: the GPU tests, `-m gpu`).  Extra stages, run only when named: tune (the
+# tuning sweep, TUNE_ARGS), ncu (Nsight Compute on our kernels and torch's, NCU_RUNS), breakdown
+# (the adapter's host cost piece by piece, without the overlap run).  SANITIZER_TESTS narrows the
+# memcheck run to some test files.
 set -u -o pipefail
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -18,6 +21,18 @@ if want examples; then
   step "torch engine example" 90 python examples/torch_engine.py 2>&1 | tee "$OUT/example_torch_engine.txt"
   step "flax example" 90 python examples/flax_mla.py --dcp 1 2>&1 | tee "$OUT/example_flax.txt"
 fi
+want tune && step "tuning sweep" ${TUNE_TIMEOUT:-420} python -m ckv_jax.benchmarks.tune ${TUNE_ARGS:-} \
+  --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.txt"
+# ncu: one process running each NCU_RUNS entry once (ckv_jax.benchmarks.profile_target), every
+# kernel profiled at the GPU's own clocks with a flushed L2 (ncu's default cache control)
+want ncu && step "ncu" 240 ncu --target-processes all --clock-control none --kernel-name regex:'ckv_|indexSelect|gather_kernel' \
+  --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+  python -m ckv_jax.benchmarks.profile_target ${NCU_RUNS:-gather_records:32768:8:4 gather_records_mosaic:32768 \
+  torch_pages:32768 gather_records:1048576:8:4 gather_records_mosaic:1048576 torch_pages:1048576 \
+  gather_dequant:1048576:8:4 gather_slots:2048:16:8 torch_rows:2048 gather_slots:1048576:16:8 torch_rows:1048576} \
+  2>&1 | tee "$OUT/ncu.txt"
+want breakdown && step "adapter host cost" 150 python -m interop.bench --skip-overlap --out "$OUT/interop_breakdown.json" \
+  2>&1 | tee "$OUT/interop_breakdown.txt"
 want interop && step "interop bench" 150 python -m interop.bench --out "$OUT/interop.json" 2>&1 | tee "$OUT/interop.txt"
 for op in writer gather patch; do
   want $op && step "bench $op" 150 python -m ckv_jax.cli bench --ops $op ${KERNEL_ARGS:-} --out "$OUT/$op.json" 2>&1 \
@@ -27,7 +42,7 @@ want prefill && step "bench prefill" 150 python -m ckv_jax.cli bench --ops prefi
   ${PREFILL_ARGS:---depths 0,1,2,3 --layers 8 --context 32768 --prefill-chunk 4096} \
   --out "$OUT/prefill.json" 2>&1 | tee "$OUT/bench_prefill.txt"
 want sanitizer && step "compute-sanitizer memcheck (compiled kernels)" 300 compute-sanitizer --tool memcheck \
-  --leak-check no --error-exitcode 9 python -m pytest tests -q -p no:cacheprovider -m gpu -k "compiled" -x 2>&1 \
+  --leak-check no --error-exitcode 9 python -m pytest ${SANITIZER_TESTS:-tests} -q -p no:cacheprovider -m gpu -k "compiled" -x 2>&1 \
   | tail -40 | tee "$OUT/sanitizer_memcheck.txt"
 want plot && step "plot" 60 python -m ckv_jax.cli plot $(ls "$OUT"/{writer,gather,patch,prefill}.json 2>/dev/null) \
   --out-dir "$OUT"

@@ -4,9 +4,11 @@
 
 One rank's shard of `tokens` records in 64-token pages scattered over a cache twice that size
 (one request, a random block table per call).  Raw: bytes = 2 * tokens * R; dequant: bytes =
-tokens * (R + 1152).  Baselines in the same run: the XLA reference of the same pack, XLA
+tokens * (R + 1152).  The Pallas kernels run with the tuned config for the size
+(`pallas_kernels.tuning`).  Baselines in the same run: the XLA reference of the same pack, XLA
 `jnp.take` of whole pages, torch `index_select` of the same pages (CUDA events), and the faster
-of an XLA and a torch contiguous copy of the same byte count.  Each JAX variant is checked
+of an XLA and a torch contiguous copy of the same byte count (`ckv_jax.benchmarks.tune` sweeps
+every config beside the same baselines).  Each JAX variant is checked
 against the XLA reference before it is timed.
 """
 from __future__ import annotations
@@ -20,34 +22,10 @@ import numpy as np
 
 from ckv_jax import formats
 from ckv_jax.benchmarks import report
-from ckv_jax.benchmarks.timing import copy_seconds, time_pure, torch_copy_seconds
+from ckv_jax.benchmarks.timing import copy_seconds, time_pure, torch_copy_seconds, torch_index_select_seconds
 from pallas_kernels import paged_gather
 
 BLOCK = 64
-
-
-def torch_index_select_seconds(cache_np, pages_list, iters=10):
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    nb = cache_np.shape[0]
-    cache = torch.from_numpy(cache_np.reshape(nb, -1)).cuda()
-    pages = [torch.from_numpy(p.astype(np.int64)).cuda() for p in pages_list]
-    outs = [cache.index_select(0, p) for p in pages]          # warm-up and buffers
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(iters):
-        torch.index_select(cache, 0, pages[i % len(pages)], out=outs[i % len(outs)])
-    end.record()
-    end.synchronize()
-    ok = bool(torch.equal(outs[0], cache.index_select(0, pages[0])))
-    seconds = start.elapsed_time(end) / 1e3 / iters
-    del cache, pages, outs
-    torch.cuda.empty_cache()
-    return seconds if ok else None
 
 
 def run(tokens_list, names, repeats=7, log=print):
@@ -78,12 +56,13 @@ def run(tokens_list, names, repeats=7, log=print):
                                                                         layout=fmt.layout)).view(np.uint16)
             interp = device.platform != "gpu"       # CPU smoke runs interpret the kernels
             variants = [
-                ("raw", "pallas_triton", lambda c, b, u: paged_gather.gather_records_triton(
-                    c, b, u, num_rows=tokens, interpret=interp), ref_raw),
+                ("raw", "pallas_triton", lambda c, b, u: paged_gather.gather_records(
+                    c, b, u, num_rows=tokens, implementation="pallas_triton", interpret=interp), ref_raw),
                 ("raw", "xla_reference", lambda c, b, u: paged_gather.gather_records_reference(c, b, u, num_rows=tokens), ref_raw),
                 ("raw", "xla_take_pages", lambda c, b, u: jnp.take(c, b[0], axis=0).reshape(tokens, rb), ref_raw),
-                ("dequant", "pallas_triton", lambda c, b, u: paged_gather.gather_dequant_triton(
-                    c, b, u, num_rows=tokens, layout=fmt.layout, interpret=interp), ref_deq),
+                ("dequant", "pallas_triton", lambda c, b, u: paged_gather.gather_dequant(
+                    c, b, u, num_rows=tokens, layout=fmt.layout, implementation="pallas_triton",
+                    interpret=interp), ref_deq),
                 ("dequant", "xla_reference", lambda c, b, u: paged_gather.gather_dequant_reference(
                     c, b, u, num_rows=tokens, layout=fmt.layout), ref_deq),
             ]
@@ -98,7 +77,7 @@ def run(tokens_list, names, repeats=7, log=print):
                                     exact=exact))
                 log(f"  {name:<13} T={tokens:>7} {kind:<8} {impl:<15} {seconds * 1e6:8.1f} us "
                     f"{nbytes / seconds / 1e9:6.0f} GB/s ({100 * ceiling / seconds:4.0f}% of copy) exact={exact}")
-            t = torch_index_select_seconds(cache_np, pages)
+            t = torch_index_select_seconds(cache_np.reshape(cache_np.shape[0], -1), pages)
             if t:
                 results.append(dict(op="gather_raw", format=name, tokens=tokens, implementation="torch_index_select",
                                     us=t * 1e6, bytes_moved=raw_bytes, gbps=raw_bytes / t / 1e9,

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -21,7 +22,7 @@ def _wall(fn, *args) -> float:
     return time.perf_counter() - start
 
 
-def time_pure(op: Callable, inputs: Sequence[tuple], trials: int = 5) -> float:
+def time_pure(op: Callable, inputs: Sequence[tuple], trials: int = 7) -> float:
     """Seconds per call of `op(*inputs[i])`; all R results are returned, so nothing is elided."""
     r = len(inputs)
     if r < 2:
@@ -65,11 +66,18 @@ def time_in_place(op: Callable, state, inputs: Sequence[tuple], trials: int = 5)
 
 
 def copy_seconds(nbytes: int, repeats: int) -> float:
-    """Per-call time of a contiguous copy of `nbytes` (reads + writes = 2 * nbytes)."""
+    """Per-call time of a contiguous copy of `nbytes` (reads + writes = 2 * nbytes).  The calls
+    read disjoint slices of one source, so a copy smaller than L2 does not read from L2."""
     n = nbytes // 4
-    src = jax.random.bits(jax.random.key(1), (n + repeats * 1024,), jnp.uint32)
-    inputs = [(src, jnp.int32(i * 1024)) for i in range(repeats)]     # the buffer is an argument
+    src = jax.random.bits(jax.random.key(1), (n * repeats,), jnp.uint32)
+    inputs = [(src, jnp.int32(i * n)) for i in range(repeats)]     # the buffer is an argument
     return time_pure(lambda s, off: lax.dynamic_slice_in_dim(s, off, n), inputs)
+
+
+def repeats_for(output_bytes: int, budget_bytes: int = 6 * 2 ** 30, lo: int = 7, hi: int = 64) -> int:
+    """R for `time_pure`: as many calls as `budget_bytes` of outputs allow, so that R calls of a
+    short kernel take far longer than the host clock's jitter."""
+    return int(min(hi, max(lo, budget_bytes // max(output_bytes, 1))))
 
 
 def torch_copy_seconds(nbytes: int, iters: int = 20) -> float | None:
@@ -97,3 +105,29 @@ def torch_copy_seconds(nbytes: int, iters: int = 20) -> float | None:
     del bufs
     torch.cuda.empty_cache()
     return seconds
+
+
+def torch_index_select_seconds(source_np, index_list, iters: int = 20) -> float | None:
+    """CUDA-event time of `torch.index_select(source, 0, index)` rotating over the index arrays
+    (torch's own op for the same movement: whole pages, or rows); None without torch or CUDA, or
+    if its first result does not equal a fresh `index_select`."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    src = torch.from_numpy(source_np).cuda()
+    idx = [torch.from_numpy(i.astype(np.int64)).cuda() for i in index_list]
+    outs = [src.index_select(0, i) for i in idx]                  # warm-up and output buffers
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for k in range(iters):
+        torch.index_select(src, 0, idx[k % len(idx)], out=outs[k % len(outs)])
+    end.record()
+    end.synchronize()
+    ok = bool(torch.equal(outs[0], src.index_select(0, idx[0])))
+    seconds = start.elapsed_time(end) / 1e3 / iters
+    del src, idx, outs
+    torch.cuda.empty_cache()
+    return seconds if ok else None

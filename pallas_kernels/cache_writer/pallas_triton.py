@@ -24,12 +24,16 @@ _TRITON_ARITHMETIC = record_codec.Arithmetic(divide=compat.triton_ieee_divide,
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WriterConfig:
-    tokens_per_block: int = 16
+    # default: fastest over both quantized formats from 8K to 1M tokens in the H200 sweeps of
+    # BENCHMARKS.md ("Tuning table"), where no tuned row applies
+    tokens_per_block: int = 8
     num_warps: int = 4
 
     def __post_init__(self):
         for name in ("tokens_per_block", "num_warps"):
             v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
             if v <= 0 or v & (v - 1):
                 raise ValueError(f"{name}: expected a power of two, got {v}")
 

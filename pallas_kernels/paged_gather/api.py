@@ -1,7 +1,10 @@
-"""Paged gathers (raw records and dequantized bf16): implementation registries.
+"""Paged gathers (raw records, dequantized bf16) and the gather by slot: implementation registries.
 
-Names: ``"pallas_triton"`` (GPU; interpret mode on CPU for tests) and ``"xla"`` (the jnp
-references, any backend).  None picks the first supported of DEFAULT_ORDER.
+Names: ``"pallas_triton"`` (GPU; interpret mode on CPU for tests), ``"pallas_mosaic_gpu"`` (raw
+records only; SM90+, GPU interpret mode on CPU) and ``"xla"`` (the jnp references, any backend).
+None picks the first supported implementation of the measured order for the device and size
+(`pallas_kernels.tuning`), or of DEFAULT_ORDER where nothing was measured; the config, unless
+given, is the tuned one for that size, else the kernel's default.
 """
 from __future__ import annotations
 
@@ -10,9 +13,12 @@ from typing import Sequence
 
 import jax
 
-from pallas_kernels import _registry
-from pallas_kernels.paged_gather import pallas_triton
-from pallas_kernels.paged_gather.reference import gather_dequant_reference, gather_records_reference
+from pallas_kernels import _pallas_compat as compat
+from pallas_kernels import _registry, tuning
+from pallas_kernels.paged_gather import pallas_mosaic_gpu, pallas_triton
+from pallas_kernels.paged_gather.pallas_triton import GatherConfig
+from pallas_kernels.paged_gather.reference import (gather_dequant_reference, gather_records_reference,
+                                                   gather_slots_reference)
 from pallas_kernels.record_codec import RecordLayout
 
 DEFAULT_ORDER = ("pallas_triton", "xla")
@@ -20,8 +26,16 @@ DEFAULT_ORDER = ("pallas_triton", "xla")
 
 def _records_triton(cache, block_table, cu_lens, *, num_rows, interpret=False, config=None):
     return pallas_triton.gather_records_triton(cache, block_table, cu_lens, num_rows=num_rows,
-                                               config=config or pallas_triton.GatherConfig(),
-                                               interpret=interpret)
+                                               config=config or pallas_triton.RECORDS_CONFIG, interpret=interpret)
+
+
+def _records_mosaic(cache, block_table, cu_lens, *, num_rows, interpret=False, config=None):
+    del config                                     # one page per CTA: nothing to tune
+    params = compat.mosaic_gpu_interpret_params() if interpret else False
+    if interpret and params is None:
+        raise ValueError("interpret: this jax has no Mosaic GPU interpret mode")
+    return pallas_mosaic_gpu.gather_records_mosaic(cache, block_table, cu_lens, num_rows=num_rows,
+                                                   interpret=params)
 
 
 def _records_xla(cache, block_table, cu_lens, *, num_rows, interpret=False, config=None):
@@ -30,7 +44,7 @@ def _records_xla(cache, block_table, cu_lens, *, num_rows, interpret=False, conf
 
 def _dequant_triton(cache, block_table, cu_lens, *, num_rows, layout, interpret=False, config=None):
     return pallas_triton.gather_dequant_triton(cache, block_table, cu_lens, num_rows=num_rows, layout=layout,
-                                               config=config or pallas_triton.GatherConfig(),
+                                               config=config or pallas_triton.DEQUANT_CONFIG,
                                                interpret=interpret)
 
 
@@ -38,30 +52,58 @@ def _dequant_xla(cache, block_table, cu_lens, *, num_rows, layout, interpret=Fal
     return gather_dequant_reference(cache, block_table, cu_lens, num_rows=num_rows, layout=layout)
 
 
-RECORDS = {
-    "pallas_triton": _registry.Implementation("pallas_triton", _registry.triton_supported, _records_triton),
-    "xla": _registry.Implementation("xla", _registry.always_supported, _records_xla),
-}
-DEQUANT = {
-    "pallas_triton": _registry.Implementation("pallas_triton", _registry.triton_supported, _dequant_triton),
-    "xla": _registry.Implementation("xla", _registry.always_supported, _dequant_xla),
-}
+def _slots_triton(cache, slots, *, interpret=False, config=None):
+    return pallas_triton.gather_slots_triton(cache, slots, config=config or pallas_triton.SLOTS_CONFIG,
+                                             interpret=interpret)
+
+
+def _slots_xla(cache, slots, *, interpret=False, config=None):
+    return gather_slots_reference(cache, slots)
+
+
+def _registry_of(triton_run, xla_run):
+    return {"pallas_triton": _registry.Implementation("pallas_triton", _registry.triton_supported, triton_run),
+            "xla": _registry.Implementation("xla", _registry.always_supported, xla_run)}
+
+
+RECORDS = dict(_registry_of(_records_triton, _records_xla), pallas_mosaic_gpu=_registry.Implementation(
+    "pallas_mosaic_gpu", _registry.mosaic_gpu_supported, _records_mosaic))
+DEQUANT = _registry_of(_dequant_triton, _dequant_xla)
+SLOTS = _registry_of(_slots_triton, _slots_xla)
 choose_records = functools.partial(_registry.choose, RECORDS, DEFAULT_ORDER)
 choose_dequant = functools.partial(_registry.choose, DEQUANT, DEFAULT_ORDER)
+choose_slots = functools.partial(_registry.choose, SLOTS, DEFAULT_ORDER)
+
+
+def _pick(op, choose, implementation, cache, work_bytes, interpret, config):
+    device = _registry.device_of(cache)
+    choice = tuning.lookup(op, device, work_bytes)
+    impl = choose(implementation, device, cache.size, interpret=interpret, tuned_order=choice.order)
+    return impl, tuning.config_for(choice, impl.name, GatherConfig, config)
 
 
 def gather_records(cache: jax.Array, block_table: jax.Array, cu_lens: jax.Array, *, num_rows: int,
                    implementation: str | Sequence[str] | None = None, interpret: bool = False,
-                   config: pallas_triton.GatherConfig | None = None) -> jax.Array:
+                   config: GatherConfig | None = None) -> jax.Array:
     """u8[num_blocks, block_size, R] -> u8[num_rows, R] (see reference.py for the contract)."""
-    impl = choose_records(implementation, _registry.device_of(cache), cache.size, interpret=interpret)
+    impl, config = _pick("gather_records", choose_records, implementation, cache,
+                         2 * num_rows * cache.shape[-1], interpret, config)
     return impl.run(cache, block_table, cu_lens, num_rows=num_rows, interpret=interpret, config=config)
 
 
 def gather_dequant(cache: jax.Array, block_table: jax.Array, cu_lens: jax.Array, *, num_rows: int,
                    layout: RecordLayout, implementation: str | Sequence[str] | None = None,
-                   interpret: bool = False, config: pallas_triton.GatherConfig | None = None) -> jax.Array:
+                   interpret: bool = False, config: GatherConfig | None = None) -> jax.Array:
     """u8[num_blocks, block_size, R] -> bf16[num_rows, nope_dim + rope_dim]."""
-    impl = choose_dequant(implementation, _registry.device_of(cache), cache.size, interpret=interpret)
+    impl, config = _pick("gather_dequant", choose_dequant, implementation, cache,
+                         num_rows * (cache.shape[-1] + 2 * layout.value_dim), interpret, config)
     return impl.run(cache, block_table, cu_lens, num_rows=num_rows, layout=layout, interpret=interpret,
                     config=config)
+
+
+def gather_slots(cache: jax.Array, slots: jax.Array, *, implementation: str | Sequence[str] | None = None,
+                 interpret: bool = False, config: GatherConfig | None = None) -> jax.Array:
+    """u8[num_blocks, block_size, R], i32[N] -> u8[N, R] (see `gather_slots_reference`)."""
+    impl, config = _pick("gather_slots", choose_slots, implementation, cache, 2 * slots.shape[0] * cache.shape[-1],
+                         interpret, config)
+    return impl.run(cache, slots, interpret=interpret, config=config)

@@ -1,9 +1,17 @@
-"""Pallas Triton paged gathers: raw records (page-granular) and dequantized bf16 (row tiles).
+"""Pallas Triton paged gathers: raw records, dequantized bf16, and records by slot.
 
-Grid (num_reqs + 1, tiles): program (r, j) with r < num_reqs copies tile j of request r; the
-programs of row r == num_reqs zero the padding rows [cu_lens[-1], num_rows).  A tile whose
-request has no rows there returns at once, so block-table entries past a request's valid
-blocks are never read.  See reference.py for the contract.
+Paged gathers: grid (num_reqs, tiles); program (r, j) copies rows [j * rows_per_tile,
+(j + 1) * rows_per_tile) of request r, and the programs of the last request past its length
+zero the padding rows [cu_lens[-1], num_rows) (they cover them: cu_lens[-2] + tiles * rows_per_tile
+>= num_rows).  Every row looks up its own block-table entry, so a tile may span pages of any
+block size; rows past a request's length never read the table.
+
+Why this shape (BENCHMARKS.md, "kernel notes"): each record is moved as a few power-of-two-wide
+2-D loads and stores ([rows, 512] + [rows, 128] + [rows, 16] bytes for fp8_ds_mla) whose column
+offsets are `row * R + constant + iota`.  Triton then proves 16-byte alignment and contiguity
+(R is a multiple of 16) and emits 16-byte vector accesses; all loads of a tile are issued before
+its stores, so each thread has several independent 16-byte loads in flight.  Masks are per row,
+so they do not break the vectorization either.
 """
 from __future__ import annotations
 
@@ -22,127 +30,178 @@ from pallas_kernels.record_codec import RecordLayout
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GatherConfig:
-    chunk_bytes: int = 4096       # raw gather: bytes per masked vector copy (power of two)
-    rows_per_tile: int = 16       # dequant gather: rows per program (power of two dividing block_size)
+    rows_per_tile: int = 8        # records per program (power of two)
     num_warps: int = 4
+    max_piece_bytes: int = 512    # raw gathers: widest single load/store of a record (power of two)
+    evict_first: bool = False     # loads hint L2 to evict the (read-once) records first
 
     def __post_init__(self):
-        for name in ("chunk_bytes", "rows_per_tile", "num_warps"):
+        for name in ("rows_per_tile", "num_warps", "max_piece_bytes"):
             v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
             if v <= 0 or v & (v - 1):
                 raise ValueError(f"{name}: expected a power of two, got {v}")
 
 
-def _scalar(ref, idx, valid):
-    """Masked scalar load of ref[idx...] (returns 0 where not valid) without reading when masked."""
-    vec = compat.pltriton.load(ref.at[(*idx[:-1], pl.ds(idx[-1], 1))], mask=jnp.full((1,), valid), other=0)
-    return jnp.sum(vec)
+# The defaults where no tuned row applies (`pallas_kernels.tuning`): the configs that won at the
+# large sizes of the H200 sweeps (BENCHMARKS.md, "Tuning table").
+RECORDS_CONFIG = GatherConfig(rows_per_tile=8, num_warps=4)
+DEQUANT_CONFIG = GatherConfig(rows_per_tile=8, num_warps=4)
+SLOTS_CONFIG = GatherConfig(rows_per_tile=16, num_warps=8)
 
 
-def _tile(r, j, cu_ref, bt_ref, *, num_reqs, max_blocks, num_blocks, block_size, num_rows, tile_rows):
-    """(rows in this tile, first output row, first source row in the cache, page ok) of program (r, j)."""
-    is_copy = r < num_reqs
-    r_safe = jnp.minimum(r, num_reqs - 1)
-    start = jnp.where(is_copy, _scalar(cu_ref, (r_safe,), True), _scalar(cu_ref, (num_reqs,), True))
-    end = jnp.where(is_copy, _scalar(cu_ref, (r_safe + 1,), True), num_rows)
-    dst_row = start + j * tile_rows
-    rows = jnp.clip(jnp.minimum(end, num_rows) - dst_row, 0, tile_rows)
-    rows = jnp.where(dst_row >= 0, rows, 0)         # a negative cu_lens entry never addresses memory
-    blk_idx = (j * tile_rows) // block_size
-    need_page = is_copy & (rows > 0) & (blk_idx < max_blocks)
-    page = _scalar(bt_ref, (r_safe, jnp.minimum(blk_idx, max_blocks - 1)), need_page)
-    page_ok = need_page & (page >= 0) & (page < num_blocks)
-    src_row = jnp.where(page_ok, page, 0) * block_size + (j * tile_rows) % block_size
-    return rows, dst_row, src_row, page_ok
+def record_pieces(record_bytes: int, max_piece_bytes: int) -> tuple[tuple[int, int], ...]:
+    """(offset, width) byte ranges covering a record, each a power of two <= max_piece_bytes,
+    widest first (656 -> 512, 128, 16), so every piece starts 16-byte aligned when R is a
+    multiple of 16."""
+    pieces, offset = [], 0
+    while offset < record_bytes:
+        width = min(max_piece_bytes, 1 << ((record_bytes - offset).bit_length() - 1))
+        pieces.append((offset, width))
+        offset += width
+    return tuple(pieces)
 
 
-def _raw_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, num_reqs, max_blocks, num_blocks, block_size,
-                record_bytes, num_rows, chunk_bytes):
+def _scalar(ref, idx):
+    """ref[idx...] as a scalar (Triton loads vectors; a 1-element one is summed)."""
+    return jnp.sum(compat.pltriton.load(ref.at[(*idx[:-1], pl.ds(idx[-1], 1))]))
+
+
+def _eviction(config: GatherConfig) -> str | None:
+    return "evict_first" if config.evict_first else None
+
+
+def _any(mask):
+    return jnp.max(mask.astype(jnp.int32)) > 0
+
+
+def _tile_rows(r, j, cu_ref, bt_ref, *, num_reqs, max_blocks, num_blocks, block_size, num_rows, tile_rows):
+    """Rows of program (r, j): (source slot, output row, read ok, write ok), each [tile_rows, 1].
+
+    write ok: the output row lies in [0, num_rows) and in the program's request, or past the last
+    request's end (padding); read ok: a request row whose block index is in the table and whose
+    block id is in the cache.
+    Rows that are not ok are masked, so they never address memory; their source index is 0 and
+    their output index num_rows (past the end: interpret mode drops such a scatter index, where an
+    in-range one could collide with a real row's write).
+    """
+    start, end = _scalar(cu_ref, (r,)), _scalar(cu_ref, (r + 1,))
+    local = j * tile_rows + lax.broadcasted_iota(jnp.int32, (tile_rows, 1), 0)
+    dst = start + local
+    in_out = (dst >= 0) & (dst < num_rows) & (start >= 0)
+    is_copy = in_out & (dst < end)
+    write_ok = is_copy | (in_out & (r == num_reqs - 1) & (dst >= end))
+    blk = local // block_size
+    need_page = is_copy & (blk < max_blocks)
+    page = compat.pltriton.load(bt_ref.at[r, jnp.where(need_page, blk, 0)], mask=need_page, other=-1)
+    read_ok = need_page & (page >= 0) & (page < num_blocks)
+    src = jnp.where(read_ok, page * block_size + local % block_size, 0)
+    return src, jnp.where(write_ok, dst, num_rows), read_ok, write_ok
+
+
+def _copy_rows(src_ref, src, read_ok, dst_ref, dst, write_ok, pieces, eviction_policy):
+    """dst_ref[dst[i]] = src_ref[src[i]] if read_ok[i] else 0, for rows with write_ok[i]: every
+    load first, then every store."""
+    tile_rows = src.shape[0]
+    loaded = []
+    for offset, width in pieces:
+        cols = offset + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+        mask = jnp.broadcast_to(read_ok, (tile_rows, width))
+        loaded.append((cols, compat.pltriton.load(src_ref.at[src, cols], mask=mask, other=0,
+                                                  eviction_policy=eviction_policy)))
+    for cols, data in loaded:
+        compat.pltriton.store(dst_ref.at[dst, cols], data, mask=jnp.broadcast_to(write_ok, data.shape))
+
+
+def _raw_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, tile, pieces, eviction_policy):
     # cu_ref: i32[num_reqs + 1]; bt_ref: i32[num_reqs, max_blocks]
-    # cache_ref: u8[num_blocks * block_size * R] (flat); out_ref: u8[num_rows * R] (flat)
-    r, j = pl.program_id(0), pl.program_id(1)
-    rows, dst_row, src_row, page_ok = _tile(
-        r, j, cu_ref, bt_ref, num_reqs=num_reqs, max_blocks=max_blocks, num_blocks=num_blocks,
-        block_size=block_size, num_rows=num_rows, tile_rows=block_size)
-    nbytes = rows * record_bytes
-    out_size = num_rows * record_bytes
+    # cache_ref: u8[num_blocks * block_size, R]; out_ref: u8[num_rows, R]
+    src, dst, read_ok, write_ok = tile(pl.program_id(0), pl.program_id(1), cu_ref, bt_ref)
 
-    @pl.when(rows > 0)
+    @pl.when(_any(write_ok))
     def _():
-        for c in range(pl.cdiv(block_size * record_bytes, chunk_bytes)):
-            cols = c * chunk_bytes + lax.broadcasted_iota(jnp.int32, (chunk_bytes,), 0)
-            in_tile = cols < nbytes
-            data = compat.pltriton.load(cache_ref.at[src_row * record_bytes + cols],
-                                        mask=in_tile & page_ok, other=0)
-            dst = jnp.where(in_tile, dst_row * record_bytes + cols, out_size)   # masked: past the end
-            compat.pltriton.store(out_ref.at[dst], data, mask=in_tile)
+        _copy_rows(cache_ref, src, read_ok, out_ref, dst, write_ok, pieces, eviction_policy)
 
 
-def _dequant_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, num_reqs, max_blocks, num_blocks,
-                    block_size, num_rows, tile_rows, layout):
+def _dequant_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, tile, layout, eviction_policy):
     # cache_ref: u8[num_blocks * block_size, R]; out_ref: bf16[num_rows, nope_dim + rope_dim]
-    r, j = pl.program_id(0), pl.program_id(1)
-    rows, dst_row, src_row, page_ok = _tile(
-        r, j, cu_ref, bt_ref, num_reqs=num_reqs, max_blocks=max_blocks, num_blocks=num_blocks,
-        block_size=block_size, num_rows=num_rows, tile_rows=tile_rows)
+    src, dst, read_ok, write_ok = tile(pl.program_id(0), pl.program_id(1), cu_ref, bt_ref)
+    tile_rows = src.shape[0]
 
-    @pl.when(rows > 0)
+    @pl.when(_any(write_ok))
     def _():
-        i = lax.broadcasted_iota(jnp.int32, (tile_rows, 1), 0)
-        in_tile = i < rows
-        src = src_row + i
         segments = []
         for seg in layout.segments:
             cols = seg.offset + lax.broadcasted_iota(jnp.int32, (1, seg.width), 1)
-            mask = jnp.broadcast_to(in_tile & page_ok, (tile_rows, seg.width))
-            segments.append(compat.pltriton.load(cache_ref.at[src, cols], mask=mask, other=0))
+            mask = jnp.broadcast_to(read_ok, (tile_rows, seg.width))
+            segments.append(compat.pltriton.load(cache_ref.at[src, cols], mask=mask, other=0,
+                                                 eviction_policy=eviction_policy))
         nope, rope = record_codec.decode_segments(layout, segments)
-        dst = jnp.where(in_tile, dst_row + i, num_rows)       # masked rows point past the end
         for values, offset in ((nope.astype(jnp.bfloat16), 0), (rope, layout.nope_dim)):
-            width = values.shape[1]
-            cols = offset + lax.broadcasted_iota(jnp.int32, (1, width), 1)
-            compat.pltriton.store(out_ref.at[dst, cols], values,
-                                  mask=jnp.broadcast_to(in_tile, (tile_rows, width)))
+            cols = offset + lax.broadcasted_iota(jnp.int32, (1, values.shape[1]), 1)
+            compat.pltriton.store(out_ref.at[dst, cols], values, mask=jnp.broadcast_to(write_ok, values.shape))
 
 
-def _grid(num_reqs, num_rows, tile_rows):
-    return (num_reqs + 1, max(1, pl.cdiv(num_rows, tile_rows)))
+def _slots_kernel(slot_ref, cache_ref, out_ref, *, num_slots, num_out, tile_rows, pieces, eviction_policy):
+    # slot_ref: i32[N]; cache_ref: u8[num_slots, R]; out_ref: u8[N, R]
+    row = pl.program_id(0) * tile_rows + lax.broadcasted_iota(jnp.int32, (tile_rows, 1), 0)
+    write_ok = row < num_out
+    slot = compat.pltriton.load(slot_ref.at[jnp.where(write_ok, row, 0)], mask=write_ok, other=-1)
+    read_ok = write_ok & (slot >= 0) & (slot < num_slots)
+    _copy_rows(cache_ref, jnp.where(read_ok, slot, 0), read_ok, out_ref, jnp.where(write_ok, row, num_out),
+               write_ok, pieces, eviction_policy)
+
+
+def _paged_call(kernel, out_shape, cache, block_table, cu_lens, num_rows, config, interpret, name, **params):
+    num_blocks, block_size, record_bytes = cache.shape
+    num_reqs, max_blocks = block_table.shape
+    if num_reqs == 0 or max_blocks == 0 or num_rows == 0:    # nothing to read: every row is zero
+        return jnp.zeros(out_shape.shape, out_shape.dtype)
+    tile_rows = config.rows_per_tile
+    tile = functools.partial(_tile_rows, num_reqs=num_reqs, max_blocks=max_blocks, num_blocks=num_blocks,
+                             block_size=block_size, num_rows=num_rows, tile_rows=tile_rows)
+    return pl.pallas_call(
+        functools.partial(kernel, tile=tile, eviction_policy=_eviction(config), **params), out_shape=out_shape,
+        grid=(num_reqs, pl.cdiv(num_rows, tile_rows)),
+        compiler_params=compat.triton_compiler_params(config.num_warps),
+        interpret=interpret, name=name,
+    )(cu_lens, block_table, cache.reshape(num_blocks * block_size, record_bytes))
 
 
 @functools.partial(jax.jit, static_argnames=("num_rows", "config", "interpret"))
 def gather_records_triton(cache, block_table, cu_lens, *, num_rows: int,
-                          config: GatherConfig = GatherConfig(), interpret: bool = False):
+                          config: GatherConfig = RECORDS_CONFIG, interpret: bool = False):
     """Same contract as `gather_records_reference`: -> u8[num_rows, R]."""
-    num_blocks, block_size, record_bytes = cache.shape
-    num_reqs, max_blocks = block_table.shape
-    kernel = functools.partial(
-        _raw_kernel, num_reqs=num_reqs, max_blocks=max_blocks, num_blocks=num_blocks,
-        block_size=block_size, record_bytes=record_bytes, num_rows=num_rows,
-        chunk_bytes=config.chunk_bytes)
-    out = pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((num_rows * record_bytes,), jnp.uint8),
-        grid=_grid(num_reqs, num_rows, block_size),
-        compiler_params=compat.triton_compiler_params(config.num_warps),
-        interpret=interpret, name=f"ckv_gather_records_r{record_bytes}",
-    )(cu_lens, block_table, cache.reshape(-1))
-    return out.reshape(num_rows, record_bytes)
+    record_bytes = cache.shape[2]
+    return _paged_call(_raw_kernel, jax.ShapeDtypeStruct((num_rows, record_bytes), jnp.uint8), cache,
+                       block_table, cu_lens, num_rows, config, interpret, f"ckv_gather_records_r{record_bytes}",
+                       pieces=record_pieces(record_bytes, config.max_piece_bytes))
 
 
 @functools.partial(jax.jit, static_argnames=("num_rows", "layout", "config", "interpret"))
 def gather_dequant_triton(cache, block_table, cu_lens, *, num_rows: int, layout: RecordLayout,
-                          config: GatherConfig = GatherConfig(), interpret: bool = False):
+                          config: GatherConfig = DEQUANT_CONFIG, interpret: bool = False):
     """Same contract as `gather_dequant_reference`: -> bf16[num_rows, nope_dim + rope_dim]."""
+    return _paged_call(_dequant_kernel, jax.ShapeDtypeStruct((num_rows, layout.value_dim), jnp.bfloat16),
+                       cache, block_table, cu_lens, num_rows, config, interpret,
+                       f"ckv_gather_dequant_{layout.kind}_r{cache.shape[2]}", layout=layout)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def gather_slots_triton(cache, slots, *, config: GatherConfig = SLOTS_CONFIG,
+                        interpret: bool = False):
+    """Same contract as `gather_slots_reference`: -> u8[N, R]."""
     num_blocks, block_size, record_bytes = cache.shape
-    num_reqs, max_blocks = block_table.shape
-    tile_rows = min(config.rows_per_tile, block_size)
-    if block_size % tile_rows:
-        raise ValueError(f"rows_per_tile: expected a divisor of block_size={block_size}, got {tile_rows}")
-    kernel = functools.partial(
-        _dequant_kernel, num_reqs=num_reqs, max_blocks=max_blocks, num_blocks=num_blocks,
-        block_size=block_size, num_rows=num_rows, tile_rows=tile_rows, layout=layout)
+    num_out = slots.shape[0]
+    if num_out == 0:
+        return jnp.zeros((0, record_bytes), jnp.uint8)
+    kernel = functools.partial(_slots_kernel, num_slots=num_blocks * block_size, num_out=num_out,
+                               tile_rows=config.rows_per_tile, eviction_policy=_eviction(config),
+                               pieces=record_pieces(record_bytes, config.max_piece_bytes))
     return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((num_rows, layout.value_dim), jnp.bfloat16),
-        grid=_grid(num_reqs, num_rows, tile_rows),
+        kernel, out_shape=jax.ShapeDtypeStruct((num_out, record_bytes), jnp.uint8),
+        grid=(pl.cdiv(num_out, config.rows_per_tile),),
         compiler_params=compat.triton_compiler_params(config.num_warps),
-        interpret=interpret, name=f"ckv_gather_dequant_{layout.kind}_r{record_bytes}",
-    )(cu_lens, block_table, cache.reshape(num_blocks * block_size, record_bytes))
+        interpret=interpret, name=f"ckv_gather_slots_r{record_bytes}",
+    )(slots, cache.reshape(num_blocks * block_size, record_bytes))

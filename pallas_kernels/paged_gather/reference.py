@@ -1,4 +1,5 @@
-"""XLA references of the paged gathers; also the `implementation="xla"` backends.
+"""XLA references of the paged gathers and of the gather by slot; also the `implementation="xla"`
+backends.
 
 Shared contract (`cp_gather_cache` semantics):
   cache: u8[num_blocks, block_size, R] paged records.
@@ -28,6 +29,8 @@ def source_slots(cache_shape, block_table, cu_lens, num_rows: int):
     num_slots = num_blocks * block_size
     num_reqs, max_blocks = block_table.shape
     row = jnp.arange(num_rows, dtype=jnp.int32)
+    if num_reqs == 0 or max_blocks == 0:             # no request: every row is padding
+        return jnp.full((num_rows,), num_slots, jnp.int32)
     req = jnp.clip(jnp.searchsorted(cu_lens, row, side="right").astype(jnp.int32) - 1, 0, num_reqs - 1)
     local = row - cu_lens[req]
     in_req = (row < cu_lens[num_reqs]) & (local >= 0) & (local < cu_lens[req + 1] - cu_lens[req])
@@ -52,3 +55,15 @@ def gather_dequant_reference(cache, block_table, cu_lens, *, num_rows: int, layo
     """-> bf16[num_rows, nope_dim + rope_dim]: dequantized records, zero padded."""
     records = gather_records_reference(cache, block_table, cu_lens, num_rows=num_rows)
     return record_codec.dequantize_bf16(layout, records)
+
+
+@jax.jit
+def gather_slots_reference(cache, slots):
+    """u8[num_blocks, block_size, R], i32[N] slots -> u8[N, R]: the record at each slot
+    (slot = block * block_size + row); slots outside [0, num_blocks * block_size), -1 included,
+    read as zero rows."""
+    num_blocks, block_size, record_bytes = cache.shape
+    num_slots = num_blocks * block_size
+    flat = cache.reshape(num_slots, record_bytes)
+    rows = jnp.where((slots >= 0) & (slots < num_slots), slots, num_slots)   # -1 would wrap
+    return jnp.take(flat, rows, axis=0, mode="fill", fill_value=0)

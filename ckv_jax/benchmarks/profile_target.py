@@ -1,0 +1,85 @@
+"""Single calls of kernel ops (and of the torch ops doing the same movement), for `ncu` to capture.
+
+  ncu --kernel-name regex:'ckv_|indexSelect|gather_kernel' --section SpeedOfLight --section LaunchStats \\
+      python -m ckv_jax.benchmarks.profile_target gather_records:32768:8:4 torch_pages:32768 \\
+      gather_slots:2048:16:8 torch_rows:2048
+
+Each run is `op:tokens[:rows_per_tile:num_warps]`: ops gather_records, gather_dequant,
+gather_slots (Pallas Triton, the given config), gather_records_mosaic (Mosaic GPU),
+torch_pages (`index_select` of the same whole pages) and torch_rows (`index_select` of the same
+rows).  Every op runs once on inputs built on the host, so the only kernels launched are the
+profiled ones; the paged ops pack one request of `tokens` records in 64-token pages picked at
+random from a cache twice that size.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ckv_jax import formats
+from pallas_kernels import _pallas_compat as compat
+from pallas_kernels import paged_gather
+from pallas_kernels.paged_gather import GatherConfig
+
+BLOCK = 64
+OPS = ("gather_records", "gather_records_mosaic", "gather_dequant", "gather_slots", "torch_pages", "torch_rows")
+
+
+def parse_run(text: str) -> tuple[str, int, GatherConfig | None]:
+    parts = text.split(":")
+    if parts[0] not in OPS or len(parts) not in (2, 4):
+        raise argparse.ArgumentTypeError(f"expected op:tokens[:rows:warps] with op in {OPS}, got {text!r}")
+    config = GatherConfig(int(parts[2]), int(parts[3])) if len(parts) == 4 else None
+    return parts[0], int(parts[1]), config
+
+
+def run_once(op: str, tokens: int, config: GatherConfig | None, fmt: formats.RecordFormat, rng) -> None:
+    npages = -(-tokens // BLOCK)
+    cache_np = rng.integers(0, 256, (2 * npages, BLOCK, fmt.record_bytes), dtype=np.uint8)
+    pages = rng.permutation(2 * npages)[:npages].astype(np.int32)
+    slots = rng.integers(0, 2 * npages * BLOCK, tokens).astype(np.int32)
+    if op.startswith("torch"):
+        import torch
+        if op == "torch_pages":
+            src, index = cache_np.reshape(2 * npages, -1), pages
+        else:
+            src, index = cache_np.reshape(2 * npages * BLOCK, -1), slots
+        out = torch.from_numpy(src).cuda().index_select(0, torch.from_numpy(index.astype(np.int64)).cuda())
+        torch.cuda.synchronize()
+        del out
+        return
+    cache = jnp.asarray(cache_np)
+    table = jnp.asarray(pages[None, :])
+    cu = jnp.asarray([0, tokens], jnp.int32)
+    kw = {} if config is None else {"config": config}
+    if op == "gather_records":
+        out = paged_gather.gather_records_triton(cache, table, cu, num_rows=tokens, **kw)
+    elif op == "gather_records_mosaic":
+        out = paged_gather.gather_records(cache, table, cu, num_rows=tokens, implementation="pallas_mosaic_gpu")
+    elif op == "gather_dequant":
+        out = paged_gather.gather_dequant_triton(cache, table, cu, num_rows=tokens, layout=fmt.layout, **kw)
+    else:
+        out = paged_gather.gather_slots_triton(cache, jnp.asarray(slots), **kw)
+    jax.block_until_ready(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ckv_jax.benchmarks.profile_target", description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", type=parse_run, help="op:tokens[:rows_per_tile:num_warps]")
+    ap.add_argument("--format", default="fp8_ds_mla")
+    args = ap.parse_args(argv)
+    compat.silence_triton_deprecation()
+    fmt = formats.get(args.format)
+    rng = np.random.default_rng(0)
+    for op, tokens, config in args.runs:
+        run_once(op, tokens, config, fmt, rng)
+        print(f"{op} {args.format} tokens={tokens} {config or ''}: done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""Tuning sweep: every implementation and candidate config of the kernel ops, side by side.
+
+  python -m ckv_jax.benchmarks.tune [--ops gather_records,gather_dequant,gather_slots,write_records]
+                                    [--formats fp8_ds_mla,nvfp4_ds_mla] [--tokens N,...] [--json tune.json]
+
+Per op, format and size, in one process: the copy ceiling of the same bytes (the faster of an XLA
+and a torch contiguous copy), the XLA implementation, the torch op doing the same movement where
+torch has one (`index_select` of whole pages for the pack, of rows for the gather by slot), XLA
+`jnp.take` of whole pages on a uint32 view, and the Pallas Triton kernel at every candidate
+config.  Each result is checked byte for byte against the reference before it is timed; caches
+span at least 512 MB so the 60 MB L2 cannot hold them.  The launch floor (one tiny kernel in a
+program of many) is measured too, for the small sizes' "bytes / bandwidth + one launch" floor.
+Prints the winners in the form of `pallas_kernels.tuning.TABLE`; `--table-from a.json b.json ...`
+prints them from earlier sweeps instead, each config's time averaged over the sweeps that ran it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from ckv_jax import formats
+from ckv_jax.benchmarks.timing import (copy_seconds, repeats_for, time_in_place, time_pure, torch_copy_seconds,
+                                       torch_index_select_seconds)
+from pallas_kernels import _pallas_compat as compat
+from pallas_kernels import cache_writer, paged_gather
+from pallas_kernels.cache_writer import WriterConfig
+from pallas_kernels.paged_gather import GatherConfig
+
+BLOCK = 64
+MIN_CACHE_BYTES = 512 * 2 ** 20
+
+# candidates: the configs that won or came within a few percent in the earlier H200 sweeps
+# (BENCHMARKS.md, kernel notes: smaller tiles won at every large size, so the smallest are here)
+GATHER_CONFIGS = [GatherConfig(t, w) for t, w in [(4, 2), (4, 4), (8, 2), (8, 4), (16, 4)]]
+DEQUANT_CONFIGS = [GatherConfig(t, w) for t, w in [(4, 4), (8, 2), (8, 4), (16, 8)]]
+SLOT_CONFIGS = [GatherConfig(t, w) for t, w in [(4, 2), (8, 2), (8, 4), (16, 8), (32, 8)]]
+WRITER_CONFIGS = [WriterConfig(t, w) for t, w in [(4, 2), (4, 4), (8, 2), (8, 4)]]
+# tokens per op: from a 21 MB pack, a 64K-token shard and decode-sized slot lists up to working
+# sets far above the 60 MB L2 (524,288 fp8 records are the 344 MB pack of the goals)
+SIZES = {"gather_records": (32768, 131072, 524288, 1048576), "gather_dequant": (65536, 1048576),
+         "gather_slots": (2048, 131072, 1048576), "write_records": (8192, 262144, 1048576)}
+
+
+def launch_seconds() -> float:
+    """Per-kernel cost of a trivial Pallas Triton kernel inside one program: launch + minimal work."""
+    def body(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1
+
+    kernel = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((16,), jnp.int32),
+                            compiler_params=compat.triton_compiler_params(1))
+    inputs = [(jnp.full((16,), i, jnp.int32),) for i in range(21)]
+    return time_pure(kernel, inputs)
+
+
+def ceiling_seconds(moved: int) -> float:
+    times = [copy_seconds(moved // 2, repeats_for(moved // 2, hi=16)), torch_copy_seconds(moved // 2)]
+    return min(t for t in times if t)
+
+
+def _record_cache(fmt, num_blocks, rng):
+    """u8[num_blocks, BLOCK, R] of real records (finite scales), tiled from 8 encoded blocks."""
+    kv = rng.standard_normal((BLOCK * 8, fmt.nope_dim)).astype(jnp.bfloat16)
+    pe = rng.standard_normal((BLOCK * 8, fmt.rope_dim)).astype(jnp.bfloat16)
+    good = np.asarray(fmt.encode(jnp.asarray(kv), jnp.asarray(pe))).reshape(8, BLOCK, fmt.record_bytes)
+    cache = np.tile(good, (num_blocks // 8 + 1, 1, 1))[:num_blocks]
+    cache[:, :, -1] = rng.integers(0, 256, (num_blocks, BLOCK), dtype=np.uint8)   # every record distinct
+    return cache
+
+
+def _row(op, fmt, size, impl, config, seconds, moved, ceiling, exact, **extra):
+    return dict(op=op, format=fmt.name, size=size, implementation=impl,
+                config=None if config is None else dict(
+                    (f, getattr(config, f)) for f in config.__dataclass_fields__),
+                us=seconds * 1e6, bytes_moved=moved, gbps=moved / seconds / 1e9, ceiling_gbps=moved / ceiling / 1e9,
+                pct_of_copy=100 * ceiling / seconds, exact=exact, **extra)
+
+
+def _timed(log, results, row):
+    results.append(row)
+    cfg = "" if row["config"] is None else " ".join(f"{k}={v}" for k, v in row["config"].items())
+    log(f"  {row['op']:<15} {row['format']:<13} {row['size']:>8} {row['implementation']:<16} {cfg:<44} "
+        f"{row['us']:9.1f} us {row['gbps']:6.0f} GB/s {row['pct_of_copy']:5.1f}% exact={row['exact']}")
+
+
+def _time_variants(op, fmt, size, variants, inputs, ref, moved, ceiling, log, results):
+    """Check each (implementation, config, fn) against `ref` on the first inputs, then time it."""
+    for impl, cfg, fn in variants:
+        got = np.asarray(jax.jit(fn)(*inputs[0]))
+        exact = bool(np.array_equal(got.view(ref.dtype), ref))
+        _timed(log, results, _row(op, fmt, size, impl, cfg, time_pure(fn, inputs), moved, ceiling, exact))
+
+
+def _time_torch(op, fmt, size, name, source_np, index_lists, moved, ceiling, log, results):
+    """torch `index_select` of the same rows as a baseline, where torch with CUDA is installed."""
+    seconds = torch_index_select_seconds(source_np, index_lists)
+    if seconds:
+        _timed(log, results, _row(op, fmt, size, name, None, seconds, moved, ceiling, True, baseline=True))
+
+
+def sweep_paged(op, names, log, results):
+    device = jax.devices()[0]
+    configs = GATHER_CONFIGS if op == "gather_records" else DEQUANT_CONFIGS
+    for tokens in SIZES[op]:
+        for name in names:
+            fmt = formats.get(name)
+            rb = fmt.record_bytes
+            npages = tokens // BLOCK
+            nb = max(2 * npages, MIN_CACHE_BYTES // (BLOCK * rb))
+            rng = np.random.default_rng(tokens)
+            cache_np = _record_cache(fmt, nb, rng)
+            cache = jax.device_put(cache_np, device)
+            out_bytes = tokens * (rb if op == "gather_records" else 2 * fmt.value_dim)
+            pages = [rng.permutation(nb)[:npages].astype(np.int32) for _ in range(repeats_for(out_bytes))]
+            cu = jnp.asarray([0, tokens - 17], jnp.int32)          # a partial last page
+            inputs = [(cache, jnp.asarray(p[None, :]), cu) for p in pages]
+            if op == "gather_records":
+                moved = 2 * tokens * rb
+                ref = np.asarray(paged_gather.gather_records_reference(*inputs[0], num_rows=tokens))
+                variants = [("xla", None, lambda c, b, u: paged_gather.gather_records_reference(c, b, u, num_rows=tokens))]
+                variants += [("pallas_triton", cfg, lambda c, b, u, cfg=cfg: paged_gather.gather_records_triton(
+                    c, b, u, num_rows=tokens, config=cfg)) for cfg in configs]
+                if paged_gather.RECORDS["pallas_mosaic_gpu"].supported_on(device, cache.size)[0]:
+                    variants.append(("pallas_mosaic_gpu", None, lambda c, b, u: paged_gather.gather_records(
+                        c, b, u, num_rows=tokens, implementation="pallas_mosaic_gpu")))
+            else:
+                moved = tokens * (rb + 2 * fmt.value_dim)
+                ref = np.asarray(paged_gather.gather_dequant_reference(*inputs[0], num_rows=tokens,
+                                                                       layout=fmt.layout)).view(np.uint16)
+                variants = [("xla", None, lambda c, b, u: paged_gather.gather_dequant_reference(
+                    c, b, u, num_rows=tokens, layout=fmt.layout))]
+                variants += [("pallas_triton", cfg, lambda c, b, u, cfg=cfg: paged_gather.gather_dequant_triton(
+                    c, b, u, num_rows=tokens, layout=fmt.layout, config=cfg)) for cfg in configs]
+            ceiling = ceiling_seconds(moved)
+            _time_variants(op, fmt, tokens, variants, inputs, ref, moved, ceiling, log, results)
+            if op == "gather_records":       # baselines without the tail mask and zero padding
+                words = jax.device_put(cache_np.reshape(nb, -1).view(np.uint32), device)
+                take_inputs = [(words, jnp.asarray(p)) for p in pages]
+                take = lambda w, p: jnp.take(w, p, axis=0)                       # noqa: E731
+                got = np.asarray(jax.jit(take)(*take_inputs[0])).view(np.uint8).reshape(tokens, rb)
+                exact = bool(np.array_equal(got[:tokens - 17], ref[:tokens - 17]))
+                _timed(log, results, _row(op, fmt, tokens, "xla_take_pages_u32", None,
+                                          time_pure(take, take_inputs), moved, ceiling, exact, baseline=True))
+                del words, take_inputs
+                _time_torch(op, fmt, tokens, "torch_index_select_pages", cache_np.reshape(nb, -1), pages,
+                            moved, ceiling, log, results)
+            del cache, inputs
+
+
+def sweep_slots(names, log, results):
+    device = jax.devices()[0]
+    for n in SIZES["gather_slots"]:
+        for name in names:
+            fmt = formats.get(name)
+            rb = fmt.record_bytes
+            nb = max(-(-2 * n // BLOCK), MIN_CACHE_BYTES // (BLOCK * rb))
+            rng = np.random.default_rng(n)
+            cache_np = _record_cache(fmt, nb, rng)
+            cache = jax.device_put(cache_np, device)
+            slot_lists = [rng.integers(0, nb * BLOCK, n).astype(np.int32) for _ in range(repeats_for(n * rb))]
+            inputs = [(cache, jnp.asarray(s)) for s in slot_lists]
+            moved = 2 * n * rb
+            ceiling = ceiling_seconds(moved)
+            ref = np.asarray(paged_gather.gather_slots_reference(*inputs[0]))
+            variants = [("xla", None, paged_gather.gather_slots_reference)]
+            variants += [("pallas_triton", cfg, lambda c, s, cfg=cfg: paged_gather.gather_slots_triton(c, s, config=cfg))
+                         for cfg in SLOT_CONFIGS]
+            _time_variants("gather_slots", fmt, n, variants, inputs, ref, moved, ceiling, log, results)
+            _time_torch("gather_slots", fmt, n, "torch_index_select_rows", cache_np.reshape(nb * BLOCK, rb),
+                        slot_lists, moved, ceiling, log, results)
+            del cache, inputs
+
+
+def sweep_writer(names, log, results):
+    device = jax.devices()[0]
+    for tokens in SIZES["write_records"]:
+        for name in names:
+            fmt = formats.get(name)
+            moved = cache_writer.work_bytes(tokens, fmt.layout)
+            ceiling = ceiling_seconds(moved)
+            # slots spread over up to 4x the tokens, as a patch; the cache stays below 2 GiB, where
+            # every implementation runs (`_registry.triton_supported`)
+            nb = min(4 * -(-tokens // BLOCK), (2 ** 31 - 1) // (BLOCK * fmt.record_bytes))
+            key = jax.random.key(tokens)
+            inputs = []
+            for _ in range(repeats_for(tokens * (2 * fmt.nope_dim + 2 * fmt.rope_dim), hi=32)):
+                k1, k2, k3, key = jax.random.split(key, 4)
+                inputs.append(((jax.random.normal(k1, (tokens, fmt.nope_dim)) * 3).astype(jnp.bfloat16),
+                               jax.random.normal(k2, (tokens, fmt.rope_dim)).astype(jnp.bfloat16),
+                               jax.random.permutation(k3, nb * BLOCK)[:tokens].astype(jnp.int32)))
+            empty = lambda: jnp.zeros((nb, BLOCK, fmt.record_bytes), jnp.uint8)      # noqa: E731
+            ref = np.asarray(cache_writer.write_records_reference(empty(), *inputs[0], layout=fmt.layout))
+            variants = [("xla", None)] + [("pallas_triton", cfg) for cfg in WRITER_CONFIGS]
+            for impl, cfg in variants:
+                if not cache_writer.IMPLEMENTATIONS[impl].supported_on(device, nb * BLOCK * fmt.record_bytes)[0]:
+                    continue
+                run = cache_writer.IMPLEMENTATIONS[impl].run
+
+                def op(cache, kv_c, k_pe, slots, run=run, cfg=cfg):
+                    return run(cache, kv_c, k_pe, slots, layout=fmt.layout, config=cfg)
+
+                exact = bool(np.array_equal(np.asarray(jax.jit(op)(empty(), *inputs[0])), ref))
+                seconds, _ = time_in_place(op, empty(), inputs)
+                _timed(log, results, _row("write_records", fmt, tokens, impl, cfg, seconds, moved, ceiling, exact))
+
+
+def table_rows(results):
+    """Per op and size: implementations by their best time summed over formats, and the winning
+    config of each; row boundaries halfway (geometrically) between the measured sizes."""
+    rows = {}
+    for op in sorted({r["op"] for r in results}):
+        sizes = sorted({r["size"] for r in results if r["op"] == op})
+        moved = {s: min(r["bytes_moved"] for r in results if r["op"] == op and r["size"] == s) for s in sizes}
+        out = []
+        for i, size in enumerate(sizes):
+            cands = [r for r in results if r["op"] == op and r["size"] == size and r["exact"] and not r.get("baseline")]
+            by_key = {}
+            for r in cands:
+                key = (r["implementation"], json.dumps(r["config"], sort_keys=True))
+                by_key.setdefault(key, {})[r["format"]] = r["us"]
+            nfmt = max(len(v) for v in by_key.values())
+            total = {k: sum(v.values()) for k, v in by_key.items() if len(v) == nfmt}
+            best_per_impl = {}
+            for (impl, cfg), t in sorted(total.items(), key=lambda kv: kv[1]):
+                best_per_impl.setdefault(impl, (t, json.loads(cfg)))
+            order = tuple(sorted(best_per_impl, key=lambda k: best_per_impl[k][0]))
+            configs = {k: v[1] for k, v in best_per_impl.items() if v[1]}
+            lo = 0 if i == 0 else int(math.sqrt(moved[sizes[i - 1]] * moved[size]))
+            out.append((lo, order, configs))
+        rows[op] = out
+    return rows
+
+
+def merge_results(paths) -> list[dict]:
+    """The results of several sweeps' JSON files, one row per (op, format, size, implementation,
+    config) with its time averaged over the sweeps that ran it (exact only if exact in all)."""
+    runs = {}
+    for path in paths:
+        with open(path) as f:
+            for row in json.load(f)["results"]:
+                key = (row["op"], row["format"], row["size"], row["implementation"],
+                       json.dumps(row["config"], sort_keys=True))
+                runs.setdefault(key, []).append(row)
+    merged = []
+    for rows in runs.values():
+        row = dict(rows[-1], us=sum(r["us"] for r in rows) / len(rows), exact=all(r["exact"] for r in rows))
+        row["gbps"] = row["bytes_moved"] / row["us"] / 1e3
+        merged.append(row)
+    return merged
+
+
+def print_table(results, kind):
+    print(f"\n# pallas_kernels.tuning.TABLE rows ({kind})")
+    for op, rows in table_rows(results).items():
+        print(f"    ({op!r}, {kind!r}): (")
+        for lo, order, configs in rows:
+            print(f"        ({lo}, {order!r},\n         {configs!r}),")
+        print("    ),")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ckv_jax.benchmarks.tune", description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", default="gather_records,gather_dequant,gather_slots,write_records")
+    ap.add_argument("--formats", default="fp8_ds_mla,nvfp4_ds_mla")
+    ap.add_argument("--tokens", default=None, help="comma-separated sizes for every op (default: SIZES)")
+    ap.add_argument("--json", default="tune.json")
+    ap.add_argument("--table-from", nargs="+", metavar="JSON", default=None,
+                    help="measure nothing: print the TABLE rows of earlier sweeps' JSON files (times averaged)")
+    ap.add_argument("--device-kind", default="NVIDIA H200", help="with --table-from: the device kind of the rows")
+    args = ap.parse_args(argv)
+    if args.table_from:
+        print_table(merge_results(args.table_from), args.device_kind)
+        return 0
+    if args.tokens:
+        sizes = tuple(int(t) for t in args.tokens.split(","))
+        if any(t <= 0 for t in sizes):
+            ap.error(f"--tokens: expected positive sizes, got {args.tokens!r}")
+        SIZES.update((op, sizes) for op in SIZES)
+    if jax.default_backend() != "gpu":
+        print("the tuning sweep times compiled kernels: it needs a GPU", file=sys.stderr)
+        return 2
+    compat.silence_triton_deprecation()
+    names = args.formats.split(",")
+    log = lambda line: print(line, flush=True)          # noqa: E731
+    device = jax.devices()[0]
+    meta = dict(device=device.device_kind, jax=jax.__version__, launch_us=launch_seconds() * 1e6,
+                command="python -m ckv_jax.benchmarks.tune " + " ".join(argv if argv is not None else sys.argv[1:]))
+    log(f"tuning on {meta['device']} (jax {meta['jax']}); one trivial kernel in a program: {meta['launch_us']:.1f} us")
+    results = []
+    for op in args.ops.split(","):
+        if op in ("gather_records", "gather_dequant"):
+            sweep_paged(op, names, log, results)
+        elif op == "gather_slots":
+            sweep_slots(names, log, results)
+        elif op == "write_records":
+            sweep_writer(names, log, results)
+        else:
+            ap.error(f"--ops: unknown {op!r}")
+        with open(args.json, "w") as f:
+            json.dump(dict(meta, results=results), f, indent=1)
+    print_table(results, device.device_kind)
+    return 0 if all(r["exact"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The measured implementation choice: the tuning table, its lookup, and the sweep's table rows."""
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ckv_jax import formats
+from ckv_jax.benchmarks import tune
+from pallas_kernels import _registry, cache_writer, paged_gather, tuning
+from pallas_kernels.cache_writer import WriterConfig
+from pallas_kernels.paged_gather import GatherConfig
+
+REGISTRIES = {"gather_records": (paged_gather.RECORDS, GatherConfig),
+              "gather_dequant": (paged_gather.DEQUANT, GatherConfig),
+              "gather_slots": (paged_gather.SLOTS, GatherConfig),
+              "write_records": (cache_writer.IMPLEMENTATIONS, WriterConfig)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    """Only what `tuning.lookup` reads: a device kind."""
+    device_kind: str
+
+
+def test_table_rows_are_valid():
+    assert tuning.TABLE, "the H200 rows are measured and must be present"
+    for (op, kind), rows in tuning.TABLE.items():
+        registry, config_type = REGISTRIES[op]
+        bounds = [row[0] for row in rows]
+        assert bounds[0] == 0 and bounds == sorted(set(bounds)), (op, kind)
+        for _, order, configs in rows:
+            assert order and set(order) <= set(registry), (op, order)
+            for impl, fields in configs.items():
+                assert impl in order
+                config_type(**fields)                      # every tuned config is constructible
+
+
+def test_lookup_picks_the_row_by_bytes_and_falls_back_to_the_default():
+    rows = tuning.TABLE[("gather_records", "NVIDIA H200")]
+    h200 = FakeDevice("NVIDIA H200")
+    for i, (lo, order, configs) in enumerate(rows):
+        for nbytes in {lo, lo + 1, (rows[i + 1][0] - 1) if i + 1 < len(rows) else 10 * lo + 1}:
+            choice = tuning.lookup("gather_records", h200, nbytes)
+            assert choice.order == order and choice.configs == configs, (nbytes, i)
+    assert tuning.lookup("gather_records", FakeDevice("some other GPU"), 1 << 30) == tuning.DEFAULT
+    assert tuning.lookup("gather_records", jax.devices()[0], 1 << 30) == tuning.DEFAULT
+
+
+def test_config_for_prefers_the_callers_config():
+    choice = tuning.Choice(("pallas_triton",), {"pallas_triton": {"rows_per_tile": 4, "num_warps": 2}})
+    assert tuning.config_for(choice, "pallas_triton", GatherConfig) == GatherConfig(4, 2)
+    given = GatherConfig(32, 8)
+    assert tuning.config_for(choice, "pallas_triton", GatherConfig, given) is given
+    assert tuning.config_for(choice, "xla", GatherConfig) is None
+
+
+def test_a_tuned_order_falls_back_to_the_rest_of_the_default_order():
+    cpu = jax.devices()[0]
+    # Pallas Triton is not supported compiled on a CPU: the default order's xla is the fallback
+    impl = _registry.choose(paged_gather.RECORDS, ("pallas_triton", "xla"), None, cpu, 1024,
+                            tuned_order=("pallas_triton",))
+    assert impl.name == "xla"
+    impl = _registry.choose(paged_gather.RECORDS, ("pallas_triton", "xla"), None, cpu, 1024,
+                            tuned_order=("pallas_mosaic_gpu", "pallas_triton"))
+    assert impl.name == "xla"
+
+
+def test_the_api_runs_the_tuned_config(monkeypatch):
+    """A table row for this device kind reaches the kernel: the tuned 4-row tiles run (in
+    interpret mode) and the result equals the reference."""
+    cpu = jax.devices()[0]
+    row = (0, ("pallas_triton", "xla"), {"pallas_triton": {"rows_per_tile": 4, "num_warps": 2}})
+    monkeypatch.setitem(tuning.TABLE, ("gather_records", cpu.device_kind), (row,))
+    impl, config = paged_gather.api._pick("gather_records", paged_gather.api.choose_records, None,
+                                          jnp.zeros((4, 8, 16), jnp.uint8), 1000, True, None)
+    assert (impl.name, config) == ("pallas_triton", GatherConfig(4, 2))
+    rng = np.random.default_rng(3)
+    fmt = formats.get("fp8_ds_mla")
+    cache = jnp.asarray(rng.integers(0, 256, (6, 8, fmt.record_bytes), dtype=np.uint8))
+    table = jnp.asarray([[4, 1, 5]], jnp.int32)
+    cu = jnp.asarray([0, 21], jnp.int32)
+    got = paged_gather.gather_records(cache, table, cu, num_rows=27, interpret=True)
+    want = paged_gather.gather_records_reference(cache, table, cu, num_rows=27)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _result(op, fmt, size, impl, config, us, exact=True, baseline=False):
+    return dict(op=op, format=fmt, size=size, implementation=impl, config=config, us=us,
+                bytes_moved=2 * size * 656, exact=exact, **({"baseline": True} if baseline else {}))
+
+
+def test_sweep_table_rows_pick_the_fastest_exact_non_baseline_over_both_formats():
+    a, b = {"rows_per_tile": 8, "num_warps": 4}, {"rows_per_tile": 16, "num_warps": 4}
+    results = [
+        # size 100: config a is faster summed over the formats though b wins one of them
+        _result("gather_records", "fp8", 100, "pallas_triton", a, 10.0),
+        _result("gather_records", "nvfp4", 100, "pallas_triton", a, 10.0),
+        _result("gather_records", "fp8", 100, "pallas_triton", b, 9.0),
+        _result("gather_records", "nvfp4", 100, "pallas_triton", b, 12.0),
+        _result("gather_records", "fp8", 100, "xla", None, 30.0),
+        _result("gather_records", "nvfp4", 100, "xla", None, 30.0),
+        # size 400: xla wins; an inexact config and a baseline, though faster, never count
+        _result("gather_records", "fp8", 400, "pallas_triton", a, 50.0),
+        _result("gather_records", "nvfp4", 400, "pallas_triton", a, 50.0),
+        _result("gather_records", "fp8", 400, "pallas_triton", b, 1.0, exact=False),
+        _result("gather_records", "nvfp4", 400, "pallas_triton", b, 1.0),
+        _result("gather_records", "fp8", 400, "xla", None, 40.0),
+        _result("gather_records", "nvfp4", 400, "xla", None, 40.0),
+        _result("gather_records", "fp8", 400, "torch_index_select_pages", None, 2.0, baseline=True),
+        _result("gather_records", "nvfp4", 400, "torch_index_select_pages", None, 2.0, baseline=True),
+    ]
+    rows = tune.table_rows(results)["gather_records"]
+    assert rows[0] == (0, ("pallas_triton", "xla"), {"pallas_triton": a})
+    assert rows[1] == (int((2 * 100 * 656 * 2 * 400 * 656) ** 0.5), ("xla", "pallas_triton"), {"pallas_triton": a})
+
+
+def test_merge_results_averages_each_config_over_the_sweeps(tmp_path):
+    cfg = {"rows_per_tile": 8, "num_warps": 4}
+    paths = []
+    for i, us in enumerate([10.0, 20.0]):
+        path = tmp_path / f"sweep{i}.json"
+        rows = [_result("gather_slots", "fp8", 64, "pallas_triton", cfg, us, exact=i == 0),
+                _result("gather_slots", "fp8", 64, "xla", None, 50.0 + i)]
+        path.write_text(json.dumps(dict(results=rows)))
+        paths.append(path)
+    merged = {r["implementation"]: r for r in tune.merge_results(paths)}
+    assert merged["pallas_triton"]["us"] == pytest.approx(15.0)
+    assert merged["pallas_triton"]["exact"] is False                 # inexact in one sweep: inexact
+    assert merged["xla"]["us"] == pytest.approx(50.5)
+    assert merged["xla"]["gbps"] == pytest.approx(2 * 64 * 656 / 50.5e-6 / 1e9)
