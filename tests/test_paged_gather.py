@@ -83,6 +83,41 @@ def test_gather_with_more_rows_than_tiles_and_empty_requests(records_implementat
     assert np.asarray(got).shape == (64, 656) and np.asarray(got).max() == 0
 
 
+@pytest.mark.parametrize("num_reqs", [1, 2, 7, 33])
+def test_gather_many_requests_straddling_tiles(num_reqs, records_implementation):
+    """Requests of random lengths (empty ones included) start anywhere inside a tile and a page,
+    so tiles span several requests; the rows past the last request are padding."""
+    rng = np.random.default_rng(100 + num_reqs)
+    block_size, num_blocks = 8, 40
+    cache = rng.integers(0, 256, (num_blocks, block_size, 656), dtype=np.uint8)
+    lens = rng.integers(0, 3 * block_size, num_reqs)
+    lens[rng.random(num_reqs) < 0.2] = 0
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    max_blocks = max(1, -(-int(lens.max()) // block_size))
+    table = rng.integers(0, num_blocks, (num_reqs, max_blocks)).astype(np.int32)
+    rows = int(cu[-1]) + 13
+    got = np.asarray(paged_gather.gather_records(jnp.asarray(cache), jnp.asarray(table), jnp.asarray(cu),
+                                                 num_rows=rows, **records_implementation))
+    np.testing.assert_array_equal(got, _numpy_model(cache, table, cu, rows))
+    assert got[cu[-1]:].max() == 0 and got[:cu[-1]].any(axis=1).all()
+
+
+@pytest.mark.parametrize("num_reqs", [3, 33])
+def test_gather_dequant_many_requests(num_reqs, implementation):
+    rng = np.random.default_rng(200 + num_reqs)
+    fmt = formats.get("nvfp4_ds_mla")
+    kv_c, k_pe = random_kv(rng, 16 * 8)
+    cache = np.asarray(fmt.encode(jnp.asarray(kv_c), jnp.asarray(k_pe))).reshape(16, 8, -1)
+    lens = rng.integers(0, 20, num_reqs)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    table = rng.integers(0, 16, (num_reqs, 3)).astype(np.int32)
+    args = (jnp.asarray(cache), jnp.asarray(table), jnp.asarray(cu))
+    rows = int(cu[-1]) + 5
+    got = paged_gather.gather_dequant(*args, num_rows=rows, layout=fmt.layout, **implementation)
+    want = paged_gather.gather_dequant_reference(*args, num_rows=rows, layout=fmt.layout)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
 # tiles smaller than, equal to and larger than the block (a tile spanning 4 pages), narrow pieces
 CONFIGS = [pallas_triton.GatherConfig(4, 1, 16), pallas_triton.GatherConfig(8, 4, 512),
            pallas_triton.GatherConfig(32, 8, 128, evict_first=True)]
@@ -153,12 +188,14 @@ def test_record_pieces_cover_the_record(record_bytes, max_piece, want):
     assert pallas_triton.record_pieces(record_bytes, max_piece) == want
 
 
+@pytest.mark.parametrize("num_reqs", [1, 8])
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("config", [pallas_triton.GatherConfig(), pallas_triton.GatherConfig(16, 8, 256, True)])
-def test_gathers_lower_for_cuda(name, config):
+def test_gathers_lower_for_cuda(name, config, num_reqs):
     layout = formats.get(name).layout
     sds = jax.ShapeDtypeStruct
-    args = (sds((5000, 64, layout.record_bytes), jnp.uint8), sds((8, 600), jnp.int32), sds((9,), jnp.int32))
+    args = (sds((5000, 64, layout.record_bytes), jnp.uint8), sds((num_reqs, 600), jnp.int32),
+            sds((num_reqs + 1,), jnp.int32))
     for f in (lambda c, b, u: pallas_triton.gather_records_triton(c, b, u, num_rows=32768, config=config),
               lambda c, b, u: pallas_triton.gather_dequant_triton(c, b, u, num_rows=32768, layout=layout,
                                                                   config=config),

@@ -1,7 +1,8 @@
 """Tuning sweep: every implementation and candidate config of the kernel ops, side by side.
 
   python -m ckv_jax.benchmarks.tune [--ops gather_records,gather_dequant,gather_slots,write_records]
-                                    [--formats fp8_ds_mla,nvfp4_ds_mla] [--tokens N,...] [--json tune.json]
+                                    [--formats fp8_ds_mla,nvfp4_ds_mla] [--tokens N,...] [--requests N]
+                                    [--json tune.json]
 
 Per op, format and size, in one process: the copy ceiling of the same bytes (the faster of an XLA
 and a torch contiguous copy), the XLA implementation, the torch op doing the same movement where
@@ -104,22 +105,36 @@ def _time_torch(op, fmt, size, name, source_np, index_lists, moved, ceiling, log
         _timed(log, results, _row(op, fmt, size, name, None, seconds, moved, ceiling, True, baseline=True))
 
 
-def sweep_paged(op, names, log, results):
+def request_tables(rng, num_blocks, tokens, num_requests):
+    """A step of `num_requests` requests sharing `tokens` rows (equal lengths, the last one 17
+    rows short so its last page is partial) on distinct random pages: (i32[num_requests,
+    max_blocks] block table, i32[num_requests + 1] cu_lens, i32[pages] every page in order)."""
+    lens = np.full(num_requests, tokens // num_requests)
+    lens[-1] = tokens - lens[:-1].sum() - 17
+    need = -(-lens // BLOCK)
+    pages = rng.permutation(num_blocks)[:need.sum()].astype(np.int32)
+    table = np.zeros((num_requests, need.max()), np.int32)
+    for r, (lo, n) in enumerate(zip(np.cumsum(need) - need, need)):
+        table[r, :n] = pages[lo:lo + n]
+    return table, np.concatenate([[0], np.cumsum(lens)]).astype(np.int32), pages
+
+
+def sweep_paged(op, names, log, results, num_requests=1):
     device = jax.devices()[0]
     configs = GATHER_CONFIGS if op == "gather_records" else DEQUANT_CONFIGS
     for tokens in SIZES[op]:
         for name in names:
             fmt = formats.get(name)
             rb = fmt.record_bytes
-            npages = tokens // BLOCK
+            npages = tokens // BLOCK + num_requests
             nb = max(2 * npages, MIN_CACHE_BYTES // (BLOCK * rb))
             rng = np.random.default_rng(tokens)
             cache_np = _record_cache(fmt, nb, rng)
             cache = jax.device_put(cache_np, device)
             out_bytes = tokens * (rb if op == "gather_records" else 2 * fmt.value_dim)
-            pages = [rng.permutation(nb)[:npages].astype(np.int32) for _ in range(repeats_for(out_bytes))]
-            cu = jnp.asarray([0, tokens - 17], jnp.int32)          # a partial last page
-            inputs = [(cache, jnp.asarray(p[None, :]), cu) for p in pages]
+            steps = [request_tables(rng, nb, tokens, num_requests) for _ in range(repeats_for(out_bytes))]
+            inputs = [(cache, jnp.asarray(table), jnp.asarray(cu)) for table, cu, _ in steps]
+            pages = [p for _, _, p in steps]
             if op == "gather_records":
                 moved = 2 * tokens * rb
                 ref = np.asarray(paged_gather.gather_records_reference(*inputs[0], num_rows=tokens))
@@ -139,17 +154,18 @@ def sweep_paged(op, names, log, results):
                     c, b, u, num_rows=tokens, layout=fmt.layout, config=cfg)) for cfg in configs]
             ceiling = ceiling_seconds(moved)
             _time_variants(op, fmt, tokens, variants, inputs, ref, moved, ceiling, log, results)
-            if op == "gather_records":       # baselines without the tail mask and zero padding
+            if op == "gather_records":       # baselines: the same pages whole, no masking or padding
                 words = jax.device_put(cache_np.reshape(nb, -1).view(np.uint32), device)
                 take_inputs = [(words, jnp.asarray(p)) for p in pages]
                 take = lambda w, p: jnp.take(w, p, axis=0)                       # noqa: E731
-                got = np.asarray(jax.jit(take)(*take_inputs[0])).view(np.uint8).reshape(tokens, rb)
-                exact = bool(np.array_equal(got[:tokens - 17], ref[:tokens - 17]))
+                got = np.asarray(jax.jit(take)(*take_inputs[0])).view(np.uint8)
+                exact = bool(np.array_equal(got, cache_np[pages[0]].reshape(len(pages[0]), -1)))
+                page_moved = 2 * len(pages[0]) * BLOCK * rb             # = moved for one request
                 _timed(log, results, _row(op, fmt, tokens, "xla_take_pages_u32", None,
-                                          time_pure(take, take_inputs), moved, ceiling, exact, baseline=True))
+                                          time_pure(take, take_inputs), page_moved, ceiling, exact, baseline=True))
                 del words, take_inputs
                 _time_torch(op, fmt, tokens, "torch_index_select_pages", cache_np.reshape(nb, -1), pages,
-                            moved, ceiling, log, results)
+                            page_moved, ceiling, log, results)
             del cache, inputs
 
 
@@ -212,14 +228,16 @@ def sweep_writer(names, log, results):
 
 def table_rows(results):
     """Per op and size: implementations by their best time summed over formats, and the winning
-    config of each; row boundaries halfway (geometrically) between the measured sizes."""
+    config of each; row boundaries halfway (geometrically) between the measured sizes.  Paged
+    gathers count with one request (the size's bytes as one pack)."""
     rows = {}
     for op in sorted({r["op"] for r in results}):
         sizes = sorted({r["size"] for r in results if r["op"] == op})
         moved = {s: min(r["bytes_moved"] for r in results if r["op"] == op and r["size"] == s) for s in sizes}
         out = []
         for i, size in enumerate(sizes):
-            cands = [r for r in results if r["op"] == op and r["size"] == size and r["exact"] and not r.get("baseline")]
+            cands = [r for r in results if r["op"] == op and r["size"] == size and r["exact"]
+                     and not r.get("baseline") and r.get("requests", 1) == 1]
             by_key = {}
             for r in cands:
                 key = (r["implementation"], json.dumps(r["config"], sort_keys=True))
@@ -269,6 +287,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", default="gather_records,gather_dequant,gather_slots,write_records")
     ap.add_argument("--formats", default="fp8_ds_mla,nvfp4_ds_mla")
     ap.add_argument("--tokens", default=None, help="comma-separated sizes for every op (default: SIZES)")
+    ap.add_argument("--requests", type=int, default=1,
+                    help="requests sharing the tokens of a paged gather (the table is built from one)")
     ap.add_argument("--json", default="tune.json")
     ap.add_argument("--table-from", nargs="+", metavar="JSON", default=None,
                     help="measure nothing: print the TABLE rows of earlier sweeps' JSON files (times averaged)")
@@ -282,6 +302,8 @@ def main(argv=None) -> int:
         if any(t <= 0 for t in sizes):
             ap.error(f"--tokens: expected positive sizes, got {args.tokens!r}")
         SIZES.update((op, sizes) for op in SIZES)
+    if args.requests < 1:
+        ap.error(f"--requests: expected at least 1, got {args.requests}")
     if jax.default_backend() != "gpu":
         print("the tuning sweep times compiled kernels: it needs a GPU", file=sys.stderr)
         return 2
@@ -295,7 +317,10 @@ def main(argv=None) -> int:
     results = []
     for op in args.ops.split(","):
         if op in ("gather_records", "gather_dequant"):
-            sweep_paged(op, names, log, results)
+            start = len(results)
+            sweep_paged(op, names, log, results, args.requests)
+            for row in results[start:]:
+                row["requests"] = args.requests
         elif op == "gather_slots":
             sweep_slots(names, log, results)
         elif op == "write_records":

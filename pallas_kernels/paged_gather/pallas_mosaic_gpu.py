@@ -1,6 +1,8 @@
 """Mosaic GPU paged gather of raw records: one page per CTA, bulk async copies through SMEM.
 
-Grid (tiles, num_reqs), tiles = cdiv(num_rows, block_size): CTA (j, r) moves block j of request r.
+Grid (tiles, num_reqs), tiles = cdiv(num_rows, block_size): CTA (j, r) moves block j of request r
+(so with several requests most CTAs find no rows and exit; the automatic choice in `api.py` uses
+this kernel for one request only).
 It issues one bulk copy (`cp.async.bulk`, no tensor map, so no 256-element limit) of the whole
 page GMEM -> SMEM, waits on its barrier, and stores the request's rows SMEM -> GMEM as at most
 log2(block_size) + 1 bulk copies (the binary digits of the row count: a full page is one copy,

@@ -1,10 +1,11 @@
 """Pallas Triton paged gathers: raw records, dequantized bf16, and records by slot.
 
-Paged gathers: grid (num_reqs, tiles); program (r, j) copies rows [j * rows_per_tile,
-(j + 1) * rows_per_tile) of request r, and the programs of the last request past its length
-zero the padding rows [cu_lens[-1], num_rows) (they cover them: cu_lens[-2] + tiles * rows_per_tile
->= num_rows).  Every row looks up its own block-table entry, so a tile may span pages of any
-block size; rows past a request's length never read the table.
+Paged gathers: grid (cdiv(num_rows, rows_per_tile),); program j writes output rows
+[j * rows_per_tile, (j + 1) * rows_per_tile) and nothing else, so every row is written exactly
+once, by one program, whatever the number of requests.  Each row finds its request by a binary
+search over cu_lens (none with one request), then its block-table entry, so a tile may span
+requests and pages of any block size; rows outside every request (the padding
+[cu_lens[-1], num_rows)) are zero and never read the table.
 
 Why this shape (BENCHMARKS.md, "kernel notes"): each record is moved as a few power-of-two-wide
 2-D loads and stores ([rows, 512] + [rows, 128] + [rows, 16] bytes for fp8_ds_mla) whose column
@@ -72,29 +73,43 @@ def _eviction(config: GatherConfig) -> str | None:
     return "evict_first" if config.evict_first else None
 
 
-def _any(mask):
-    return jnp.max(mask.astype(jnp.int32)) > 0
+def _request_of(rows, cu_ref, num_reqs):
+    """i32[T, 1]: the request of each output row, the last r <= num_reqs - 1 with
+    cu_lens[r] <= row (0 if none): the reference's clip(searchsorted(cu_lens, row, "right") - 1,
+    0, num_reqs - 1) for non-decreasing cu_lens, as a binary search of ceil(log2(num_reqs)) gathers
+    from the (cached) cu_lens."""
+    req = jnp.zeros_like(rows)
+    step = 1 << ((num_reqs - 1).bit_length() - 1) if num_reqs > 1 else 0
+    while step:
+        cand = jnp.minimum(req + step, num_reqs - 1)
+        req = jnp.where(compat.pltriton.load(cu_ref.at[cand]) <= rows, cand, req)
+        step //= 2
+    return req
 
 
-def _tile_rows(r, j, cu_ref, bt_ref, *, num_reqs, max_blocks, num_blocks, block_size, num_rows, tile_rows):
-    """Rows of program (r, j): (source slot, output row, read ok, write ok), each [tile_rows, 1].
+def _tile_rows(j, cu_ref, bt_ref, *, num_reqs, max_blocks, num_blocks, block_size, num_rows, tile_rows):
+    """Rows of program j: (source slot, output row, read ok, write ok), each [tile_rows, 1].
 
-    write ok: the output row lies in [0, num_rows) and in the program's request, or past the last
-    request's end (padding); read ok: a request row whose block index is in the table and whose
-    block id is in the cache.
-    Rows that are not ok are masked, so they never address memory; their source index is 0 and
-    their output index num_rows (past the end: interpret mode drops such a scatter index, where an
-    in-range one could collide with a real row's write).
+    write ok: the output row lies in [0, num_rows); read ok: a row of a request whose block index
+    is in the table and whose block id is in the cache.  Rows that are not ok are masked, so they
+    never address memory; their source index is 0 and their output index num_rows (past the end:
+    interpret mode drops such a scatter index, where an in-range one could collide with a real
+    row's write).
     """
-    start, end = _scalar(cu_ref, (r,)), _scalar(cu_ref, (r + 1,))
-    local = j * tile_rows + lax.broadcasted_iota(jnp.int32, (tile_rows, 1), 0)
-    dst = start + local
-    in_out = (dst >= 0) & (dst < num_rows) & (start >= 0)
-    is_copy = in_out & (dst < end)
-    write_ok = is_copy | (in_out & (r == num_reqs - 1) & (dst >= end))
+    dst = j * tile_rows + lax.broadcasted_iota(jnp.int32, (tile_rows, 1), 0)
+    write_ok = dst < num_rows
+    if num_reqs == 1:                                  # no search: two scalars per program
+        req = jnp.zeros_like(dst)
+        start, end = _scalar(cu_ref, (0,)), _scalar(cu_ref, (1,))
+    else:
+        req = _request_of(dst, cu_ref, num_reqs)
+        start, end = compat.pltriton.load(cu_ref.at[req]), compat.pltriton.load(cu_ref.at[req + 1])
+    local = dst - start
+    is_copy = write_ok & (dst < _scalar(cu_ref, (num_reqs,))) & (local >= 0) & (local < end - start)
     blk = local // block_size
     need_page = is_copy & (blk < max_blocks)
-    page = compat.pltriton.load(bt_ref.at[r, jnp.where(need_page, blk, 0)], mask=need_page, other=-1)
+    entry = jnp.where(need_page, req * max_blocks + blk, 0)       # bt_ref is the flat table
+    page = compat.pltriton.load(bt_ref.at[entry], mask=need_page, other=-1)
     read_ok = need_page & (page >= 0) & (page < num_blocks)
     src = jnp.where(read_ok, page * block_size + local % block_size, 0)
     return src, jnp.where(write_ok, dst, num_rows), read_ok, write_ok
@@ -115,32 +130,26 @@ def _copy_rows(src_ref, src, read_ok, dst_ref, dst, write_ok, pieces, eviction_p
 
 
 def _raw_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, tile, pieces, eviction_policy):
-    # cu_ref: i32[num_reqs + 1]; bt_ref: i32[num_reqs, max_blocks]
+    # cu_ref: i32[num_reqs + 1]; bt_ref: i32[num_reqs * max_blocks] (the table, flat)
     # cache_ref: u8[num_blocks * block_size, R]; out_ref: u8[num_rows, R]
-    src, dst, read_ok, write_ok = tile(pl.program_id(0), pl.program_id(1), cu_ref, bt_ref)
-
-    @pl.when(_any(write_ok))
-    def _():
-        _copy_rows(cache_ref, src, read_ok, out_ref, dst, write_ok, pieces, eviction_policy)
+    src, dst, read_ok, write_ok = tile(pl.program_id(0), cu_ref, bt_ref)
+    _copy_rows(cache_ref, src, read_ok, out_ref, dst, write_ok, pieces, eviction_policy)
 
 
 def _dequant_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, tile, layout, eviction_policy):
     # cache_ref: u8[num_blocks * block_size, R]; out_ref: bf16[num_rows, nope_dim + rope_dim]
-    src, dst, read_ok, write_ok = tile(pl.program_id(0), pl.program_id(1), cu_ref, bt_ref)
+    src, dst, read_ok, write_ok = tile(pl.program_id(0), cu_ref, bt_ref)
     tile_rows = src.shape[0]
-
-    @pl.when(_any(write_ok))
-    def _():
-        segments = []
-        for seg in layout.segments:
-            cols = seg.offset + lax.broadcasted_iota(jnp.int32, (1, seg.width), 1)
-            mask = jnp.broadcast_to(read_ok, (tile_rows, seg.width))
-            segments.append(compat.pltriton.load(cache_ref.at[src, cols], mask=mask, other=0,
-                                                 eviction_policy=eviction_policy))
-        nope, rope = record_codec.decode_segments(layout, segments)
-        for values, offset in ((nope.astype(jnp.bfloat16), 0), (rope, layout.nope_dim)):
-            cols = offset + lax.broadcasted_iota(jnp.int32, (1, values.shape[1]), 1)
-            compat.pltriton.store(out_ref.at[dst, cols], values, mask=jnp.broadcast_to(write_ok, values.shape))
+    segments = []
+    for seg in layout.segments:
+        cols = seg.offset + lax.broadcasted_iota(jnp.int32, (1, seg.width), 1)
+        mask = jnp.broadcast_to(read_ok, (tile_rows, seg.width))
+        segments.append(compat.pltriton.load(cache_ref.at[src, cols], mask=mask, other=0,
+                                             eviction_policy=eviction_policy))
+    nope, rope = record_codec.decode_segments(layout, segments)
+    for values, offset in ((nope.astype(jnp.bfloat16), 0), (rope, layout.nope_dim)):
+        cols = offset + lax.broadcasted_iota(jnp.int32, (1, values.shape[1]), 1)
+        compat.pltriton.store(out_ref.at[dst, cols], values, mask=jnp.broadcast_to(write_ok, values.shape))
 
 
 def _slots_kernel(slot_ref, cache_ref, out_ref, *, num_slots, num_out, tile_rows, pieces, eviction_policy):
@@ -163,10 +172,10 @@ def _paged_call(kernel, out_shape, cache, block_table, cu_lens, num_rows, config
                              block_size=block_size, num_rows=num_rows, tile_rows=tile_rows)
     return pl.pallas_call(
         functools.partial(kernel, tile=tile, eviction_policy=_eviction(config), **params), out_shape=out_shape,
-        grid=(num_reqs, pl.cdiv(num_rows, tile_rows)),
+        grid=(pl.cdiv(num_rows, tile_rows),),
         compiler_params=compat.triton_compiler_params(config.num_warps),
         interpret=interpret, name=name,
-    )(cu_lens, block_table, cache.reshape(num_blocks * block_size, record_bytes))
+    )(cu_lens, block_table.reshape(num_reqs * max_blocks), cache.reshape(num_blocks * block_size, record_bytes))
 
 
 @functools.partial(jax.jit, static_argnames=("num_rows", "config", "interpret"))
