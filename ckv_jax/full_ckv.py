@@ -218,8 +218,6 @@ def patch_current_chunk(workspace, kv_c, k_pe, plan: StepPlan, format: str | for
     if validation.check_values(fmt, kv_c, k_pe) != plan.num_tokens:
         raise ValueError(f"kv_c: expected [{plan.num_tokens}, {fmt.nope_dim}] (the step's query tokens), "
                          f"got {validation.describe(kv_c)}")
-    if not isinstance(implementation, (str, type(None))):
-        implementation = tuple(implementation)
     run = cache_writer.select(implementation, _registry.device_of(workspace), workspace.size, plan.num_tokens,
                               fmt.layout, interpret)
     return patch_placed(workspace, kv_c, k_pe, jnp.asarray(chunk_rows(plan)), after, layout=fmt.layout,

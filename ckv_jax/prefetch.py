@@ -182,10 +182,8 @@ class PrefetchOrchestrator:
             raise ValueError(f"plan: P={plan.padded_tokens} exceeds the pool's capacity C={self.memory.capacity}")
         full_ckv.check_block_table(plan, block_table)
         self._plan = plan
-        impl = self.implementation
-        impl = tuple(impl) if not isinstance(impl, (str, type(None))) else impl
-        self._patch_run = cache_writer.select(impl, self.mesh.devices.flat[0], self._slot_bytes, plan.num_tokens,
-                                              self.fmt.layout, self.interpret)   # the tuned backend for T tokens
+        self._patch_run = cache_writer.select(self.implementation, self.mesh.devices.flat[0], self._slot_bytes,
+                                              plan.num_tokens, self.fmt.layout, self.interpret)  # tuned for T tokens
         # placed once per step: every gather and patch of the step reuses them
         self._table, self._local_cu, self._rows = full_ckv.replicated(self.mesh, block_table, plan.local_cu_seq_lens,
                                                                       full_ckv.chunk_rows(plan))

@@ -49,10 +49,16 @@ def work_bytes(num_tokens: int, layout: RecordLayout) -> int:
     return num_tokens * (2 * layout.nope_dim + 2 * layout.rope_dim + 4 + layout.record_bytes)
 
 
-@functools.lru_cache(maxsize=256)
-def select(implementation: str | tuple[str, ...] | None, device: jax.Device, cache_bytes: int, num_tokens: int,
+def select(implementation: str | Sequence[str] | None, device: jax.Device, cache_bytes: int, num_tokens: int,
            layout: RecordLayout, interpret: bool = False):
     """The backend's `run` with its tuned config bound (cached, so jit caches keyed on it hit)."""
+    if not isinstance(implementation, (str, type(None))):
+        implementation = tuple(implementation)
+    return _select(implementation, device, cache_bytes, num_tokens, layout, interpret)
+
+
+@functools.lru_cache(maxsize=256)
+def _select(implementation, device, cache_bytes, num_tokens, layout, interpret):
     choice = tuning.lookup("write_records", device, work_bytes(num_tokens, layout))
     impl = choose(implementation, device, cache_bytes, interpret=interpret, tuned_order=choice.order)
     config = tuning.config_for(choice, impl.name, pallas_triton.WriterConfig)
@@ -63,8 +69,6 @@ def write_records(cache: jax.Array, kv_c: jax.Array, k_pe: jax.Array, slot_mappi
                   layout: RecordLayout, implementation: str | Sequence[str] | None = None,
                   interpret: bool = False, config: pallas_triton.WriterConfig | None = None) -> jax.Array:
     """Shape- and value-unchecked entry (ckv_jax.write_records validates); cache is donated."""
-    if not isinstance(implementation, (str, type(None))):
-        implementation = tuple(implementation)
     run = select(implementation, _registry.device_of(cache), cache.size, kv_c.shape[0], layout, interpret)
     if config is not None:
         run = functools.partial(run, config=config)
