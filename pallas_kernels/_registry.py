@@ -58,7 +58,8 @@ def choose(registry: Mapping[str, Implementation], default_order: Sequence[str],
     With `interpret=True` a Pallas implementation is always usable (interpret mode runs anywhere).
     """
     if implementation is None:       # the measured order, then whatever it left out as fallbacks
-        names: Sequence[str] = tuple(tuned_order or ()) + tuple(n for n in default_order if n not in (tuned_order or ()))
+        tuned = tuple(tuned_order or ())
+        names: Sequence[str] = tuned + tuple(n for n in default_order if n not in tuned)
     elif isinstance(implementation, str):
         names = (implementation,)
     else:

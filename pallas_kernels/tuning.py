@@ -83,6 +83,29 @@ def lookup(op: str, device: jax.Device, work_bytes: int) -> Choice:
     return Choice(order, configs)
 
 
+def pick(op: str, choose, implementation, device: jax.Device, cache_bytes: int, work_bytes: int, *,
+         config_type, interpret: bool = False, config=None, skip: tuple[str, ...] = ()):
+    """(implementation, config) of `op` on `device`: `choose` (a registry's `_registry.choose`)
+    over the measured order for `work_bytes`, whose `skip` names are left out (they still run when
+    asked for by name), and the caller's config, else the tuned one, else None (the kernel's
+    default)."""
+    choice = lookup(op, device, work_bytes)
+    order = None if choice.order is None else tuple(n for n in choice.order if n not in skip)
+    impl = choose(implementation, device, cache_bytes, interpret=interpret, tuned_order=order)
+    return impl, config_for(choice, impl.name, config_type, config)
+
+
+def check_power_of_two_fields(config, names) -> None:
+    """Config fields that must be positive powers of two (tile sizes, warps): TypeError for a
+    non-int, ValueError otherwise."""
+    for name in names:
+        v = getattr(config, name)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+        if v <= 0 or v & (v - 1):
+            raise ValueError(f"{name}: expected a power of two, got {v}")
+
+
 def config_for(choice: Choice, implementation: str, config_type, given=None):
     """`given` if the caller passed one, else the tuned config of `implementation`, else None."""
     if given is not None:

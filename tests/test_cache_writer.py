@@ -154,6 +154,12 @@ def test_writer_config_rejects_non_powers_of_two(field, value):
         pallas_triton.WriterConfig(**{field: value})
 
 
+@pytest.mark.parametrize("field, value", [("tokens_per_block", 8.0), ("num_warps", True)])
+def test_writer_config_rejects_non_ints(field, value):
+    with pytest.raises(TypeError, match=field):
+        pallas_triton.WriterConfig(**{field: value})
+
+
 # ---------------------------------------------------------------------------------------------
 # bad input
 # ---------------------------------------------------------------------------------------------

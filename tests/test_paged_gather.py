@@ -210,7 +210,6 @@ def test_gather_config_rejects_non_powers_of_two(field):
         pallas_triton.GatherConfig(**{field: 48})
 
 
-
 @pytest.mark.parametrize("block_size", [1, 8, 16])
 def test_mosaic_gather_pages_partial_pages_and_padding(block_size, kernel_mode):
     """Every row count 0..block_size of a page (each binary digit of the store), a request ending

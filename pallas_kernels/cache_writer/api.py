@@ -59,9 +59,9 @@ def select(implementation: str | Sequence[str] | None, device: jax.Device, cache
 
 @functools.lru_cache(maxsize=256)
 def _select(implementation, device, cache_bytes, num_tokens, layout, interpret):
-    choice = tuning.lookup("write_records", device, work_bytes(num_tokens, layout))
-    impl = choose(implementation, device, cache_bytes, interpret=interpret, tuned_order=choice.order)
-    config = tuning.config_for(choice, impl.name, pallas_triton.WriterConfig)
+    impl, config = tuning.pick("write_records", choose, implementation, device, cache_bytes,
+                               work_bytes(num_tokens, layout), config_type=pallas_triton.WriterConfig,
+                               interpret=interpret)
     return functools.partial(impl.run, config=config) if config is not None else impl.run
 
 

@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _pallas_compat as compat
-from pallas_kernels import record_codec
+from pallas_kernels import record_codec, tuning
 from pallas_kernels.record_codec import RecordLayout
 
 _TRITON_ARITHMETIC = record_codec.Arithmetic(divide=compat.triton_ieee_divide,
@@ -30,12 +30,7 @@ class WriterConfig:
     num_warps: int = 4
 
     def __post_init__(self):
-        for name in ("tokens_per_block", "num_warps"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
-            if v <= 0 or v & (v - 1):
-                raise ValueError(f"{name}: expected a power of two, got {v}")
+        tuning.check_power_of_two_fields(self, ("tokens_per_block", "num_warps"))
 
 
 def _writer_kernel(slot_ref, kv_c_ref, k_pe_ref, cache_in_ref, cache_ref, *,

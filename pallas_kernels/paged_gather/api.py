@@ -76,13 +76,8 @@ choose_slots = functools.partial(_registry.choose, SLOTS, DEFAULT_ORDER)
 
 
 def _pick(op, choose, implementation, cache, work_bytes, interpret, config, skip=()):
-    """(implementation, config) for the op; `skip` names leave the measured order (they still run
-    when asked for by name)."""
-    device = _registry.device_of(cache)
-    choice = tuning.lookup(op, device, work_bytes)
-    order = None if choice.order is None else tuple(n for n in choice.order if n not in skip)
-    impl = choose(implementation, device, cache.size, interpret=interpret, tuned_order=order)
-    return impl, tuning.config_for(choice, impl.name, GatherConfig, config)
+    return tuning.pick(op, choose, implementation, _registry.device_of(cache), cache.size, work_bytes,
+                       config_type=GatherConfig, interpret=interpret, config=config, skip=skip)
 
 
 def gather_records(cache: jax.Array, block_table: jax.Array, cu_lens: jax.Array, *, num_rows: int,

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _pallas_compat as compat
-from pallas_kernels import record_codec
+from pallas_kernels import record_codec, tuning
 from pallas_kernels.record_codec import RecordLayout
 
 
@@ -37,12 +37,7 @@ class GatherConfig:
     evict_first: bool = False     # loads hint L2 to evict the (read-once) records first
 
     def __post_init__(self):
-        for name in ("rows_per_tile", "num_warps", "max_piece_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
-            if v <= 0 or v & (v - 1):
-                raise ValueError(f"{name}: expected a power of two, got {v}")
+        tuning.check_power_of_two_fields(self, ("rows_per_tile", "num_warps", "max_piece_bytes"))
 
 
 # The defaults where no tuned row applies (`pallas_kernels.tuning`): the configs that won at the
@@ -101,11 +96,13 @@ def _tile_rows(j, cu_ref, bt_ref, *, num_reqs, max_blocks, num_blocks, block_siz
     if num_reqs == 1:                                  # no search: two scalars per program
         req = jnp.zeros_like(dst)
         start, end = _scalar(cu_ref, (0,)), _scalar(cu_ref, (1,))
+        total = end
     else:
         req = _request_of(dst, cu_ref, num_reqs)
         start, end = compat.pltriton.load(cu_ref.at[req]), compat.pltriton.load(cu_ref.at[req + 1])
+        total = _scalar(cu_ref, (num_reqs,))
     local = dst - start
-    is_copy = write_ok & (dst < _scalar(cu_ref, (num_reqs,))) & (local >= 0) & (local < end - start)
+    is_copy = write_ok & (dst < total) & (local >= 0) & (local < end - start)
     blk = local // block_size
     need_page = is_copy & (blk < max_blocks)
     entry = jnp.where(need_page, req * max_blocks + blk, 0)       # bt_ref is the flat table
