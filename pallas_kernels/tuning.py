@@ -24,8 +24,9 @@ class Choice:
 DEFAULT = Choice(None, {})
 
 # (op, device kind) -> rows (min_bytes, order, {implementation: config fields}), by min_bytes.
-# NVIDIA H200: the four sweeps of 2026-12-03 (benchmarks/results/h200_2026-12-03/*/tune.json),
-# printed by `python -m ckv_jax.benchmarks.tune --table-from <those files>`.
+# NVIDIA H200, printed by `python -m ckv_jax.benchmarks.tune --table-from <files>`: the gathers from
+# the four sweeps benchmarks/results/h200_2026-12-03/[1-4]_*/tune.json, the writer from
+# .../6_writer_tune_pair_encode/tune.json (its nvfp4 encode changed after the first four).
 TABLE: dict[tuple[str, str], tuple[tuple[int, tuple[str, ...], dict[str, dict[str, Any]]], ...]] = {
     ('gather_dequant', 'NVIDIA H200'): (
         (0, ('pallas_triton', 'xla'),
@@ -61,9 +62,9 @@ TABLE: dict[tuple[str, str], tuple[tuple[int, tuple[str, ...], dict[str, dict[st
     ),
     ('write_records', 'NVIDIA H200'): (
         (0, ('pallas_triton', 'xla'),
-         {'pallas_triton': {'num_warps': 4, 'tokens_per_block': 8}}),
+         {'pallas_triton': {'num_warps': 4, 'tokens_per_block': 4}}),
         (73589428, ('pallas_triton', 'xla'),
-         {'pallas_triton': {'num_warps': 2, 'tokens_per_block': 4}}),
+         {'pallas_triton': {'num_warps': 4, 'tokens_per_block': 8}}),
         (832569344, ('pallas_triton', 'xla'),
          {'pallas_triton': {'num_warps': 2, 'tokens_per_block': 4}}),
     ),

@@ -111,13 +111,16 @@ def test_full_cache_copy_detector_sees_copies():
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("config", [pallas_triton.WriterConfig(), pallas_triton.WriterConfig(32, 8),
-                                    pallas_triton.WriterConfig(4, 1)])
-def test_writer_lowers_for_cuda(name, config):
+@pytest.mark.parametrize("config, kv_dtype", [(pallas_triton.WriterConfig(), jnp.bfloat16),
+                                              (pallas_triton.WriterConfig(32, 8), jnp.bfloat16),
+                                              (pallas_triton.WriterConfig(4, 1), jnp.bfloat16),
+                                              (pallas_triton.WriterConfig(), jnp.float16),
+                                              (pallas_triton.WriterConfig(), jnp.float32)])
+def test_writer_lowers_for_cuda(name, config, kv_dtype):
     fmt = formats.get(name)
     sds = jax.ShapeDtypeStruct
     f = jax.jit(lambda c, a, b, s: pallas_triton.write_records_triton(c, a, b, s, layout=fmt.layout, config=config))
-    text = f.trace(sds((4096, 64, fmt.record_bytes), jnp.uint8), sds((3000, 512), jnp.bfloat16),
+    text = f.trace(sds((4096, 64, fmt.record_bytes), jnp.uint8), sds((3000, 512), kv_dtype),
                    sds((3000, 64), jnp.bfloat16), sds((3000,), jnp.int32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call") == 1

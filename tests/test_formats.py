@@ -217,3 +217,22 @@ def test_e4m3_conversion_is_exact_including_ties_and_subnormals():
     back = np.asarray(jax.jit(e4m3_values)(codes))
     np.testing.assert_array_equal(back.view(np.uint32),
                                   codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32).view(np.uint32))
+
+
+def test_e2m1_conversion_is_exact_including_ties():
+    """The bit-level float32 -> e2m1 rounding against ml_dtypes: every e2m1 value and midpoint
+    and their float32 neighbours (ties to even, the switch between the half-step and the bit
+    rounding at 1.0), saturation, signed zeros, Inf, NaN, subnormals and random bit patterns."""
+    from pallas_kernels.record_codec import e2m1_nibbles
+    rng = np.random.default_rng(5)
+    grid = np.arange(8, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    points = np.concatenate([grid, (grid[1:] + grid[:-1]) / 2, [1.0, 5.0, 6.0, 7.0, 8.0]]).astype(np.float32)
+    near = np.concatenate([points, np.nextafter(points, np.float32(np.inf)),
+                           np.nextafter(points, np.float32(0))])
+    special = np.array([np.inf, -np.inf, np.nan, -np.nan, -0.0, 1e-45, -1e-40, 3.4e38], np.float32)
+    noise = rng.integers(0, 2 ** 32, 1_000_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = np.concatenate([near, -near, special, noise])
+    with np.errstate(invalid="ignore"):
+        want = np.clip(x, -6, 6).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
+    want = np.where(np.isnan(x), 0x7, want | (np.signbit(x) << 3).astype(np.uint8))
+    assert_bytes_equal(jax.jit(e2m1_nibbles)(x), want, "e2m1 codes")

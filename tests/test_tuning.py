@@ -112,7 +112,11 @@ def test_sweep_table_rows_pick_the_fastest_exact_non_baseline_over_both_formats(
         _result("gather_records", "fp8", 400, "torch_index_select_pages", None, 2.0, baseline=True),
         _result("gather_records", "nvfp4", 400, "torch_index_select_pages", None, 2.0, baseline=True),
     ]
+    # a sweep of 16 requests (where b would win) adds nothing: the table is built from one request
+    results += [dict(_result("gather_records", f, s, "pallas_triton", b, 0.5), requests=16)
+                for f in ("fp8", "nvfp4") for s in (100, 400, 1600)]
     rows = tune.table_rows(results)["gather_records"]
+    assert len(rows) == 2
     assert rows[0] == (0, ("pallas_triton", "xla"), {"pallas_triton": a})
     assert rows[1] == (int((2 * 100 * 656 * 2 * 400 * 656) ** 0.5), ("xla", "pallas_triton"), {"pallas_triton": a})
 
@@ -123,10 +127,13 @@ def test_merge_results_averages_each_config_over_the_sweeps(tmp_path):
     for i, us in enumerate([10.0, 20.0]):
         path = tmp_path / f"sweep{i}.json"
         rows = [_result("gather_slots", "fp8", 64, "pallas_triton", cfg, us, exact=i == 0),
-                _result("gather_slots", "fp8", 64, "xla", None, 50.0 + i)]
+                _result("gather_slots", "fp8", 64, "xla", None, 50.0 + i),
+                dict(_result("gather_slots", "fp8", 64, "xla", None, 90.0), requests=4)]
         path.write_text(json.dumps(dict(results=rows)))
         paths.append(path)
-    merged = {r["implementation"]: r for r in tune.merge_results(paths)}
+    merged = tune.merge_results(paths)
+    assert [r["us"] for r in merged if r.get("requests") == 4] == [90.0]     # kept apart
+    merged = {r["implementation"]: r for r in merged if "requests" not in r}
     assert merged["pallas_triton"]["us"] == pytest.approx(15.0)
     assert merged["pallas_triton"]["exact"] is False                 # inexact in one sweep: inexact
     assert merged["xla"]["us"] == pytest.approx(50.5)

@@ -5,14 +5,15 @@
 # sanitizer plot.  KERNEL_ARGS / PREFILL_ARGS / PYTEST_ARGS override the sweeps and the test
 # selection (default: the GPU tests, `-m gpu`).  Extra stages, run only when named: tune (the
 # tuning sweep, TUNE_ARGS), ncu (Nsight Compute on our kernels and torch's, NCU_RUNS), breakdown
-# (the adapter's host cost piece by piece, without the overlap run).  SANITIZER_TESTS narrows the
-# memcheck run to some test files.
+# (the adapter's host cost piece by piece, without the overlap run); NCU_SECTIONS and NCU_FORMAT
+# override the ncu sections and the record format.  SANITIZER_TESTS narrows the
+# memcheck run to some test files, SANITIZER_TIMEOUT bounds it.
 set -u -o pipefail
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 STAGES=${STAGES:-env tests examples interop writer gather patch prefill sanitizer plot}
 status=0
-step() { echo "=== $1 ($(date +%T))"; shift; timeout "$@" || { echo "!!! exit $?"; status=1; }; }
+step() { echo "=== $1 ($(date +%T))"; shift; timeout -k 10 "$@" || { echo "!!! exit $?"; status=1; }; }
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 want env && step "env" 60 python -m ckv_jax.cli env 2>&1 | tee "$OUT/env.txt"
 want tests && step "GPU tests" 180 python -m pytest tests -q -p no:cacheprovider -rs ${PYTEST_ARGS:--m gpu} 2>&1 \
@@ -26,8 +27,8 @@ want tune && step "tuning sweep" ${TUNE_TIMEOUT:-420} python -m ckv_jax.benchmar
 # ncu: one process running each NCU_RUNS entry once (ckv_jax.benchmarks.profile_target), every
 # kernel profiled at the GPU's own clocks with a flushed L2 (ncu's default cache control)
 want ncu && step "ncu" 240 ncu --target-processes all --clock-control none --kernel-name regex:'ckv_|indexSelect|gather_kernel' \
-  --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
-  python -m ckv_jax.benchmarks.profile_target ${NCU_RUNS:-gather_records:32768:8:4 gather_records_mosaic:32768 \
+  ${NCU_SECTIONS:---section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy} \
+  python -m ckv_jax.benchmarks.profile_target ${NCU_FORMAT:+--format $NCU_FORMAT} ${NCU_RUNS:-gather_records:32768:8:4 gather_records_mosaic:32768 \
   torch_pages:32768 gather_records:1048576:8:4 gather_records_mosaic:1048576 torch_pages:1048576 \
   gather_dequant:1048576:8:4 gather_slots:2048:16:8 torch_rows:2048 gather_slots:1048576:16:8 torch_rows:1048576} \
   2>&1 | tee "$OUT/ncu.txt"
@@ -41,9 +42,11 @@ done
 want prefill && step "bench prefill" 150 python -m ckv_jax.cli bench --ops prefill \
   ${PREFILL_ARGS:---depths 0,1,2,3 --layers 8 --context 32768 --prefill-chunk 4096} \
   --out "$OUT/prefill.json" 2>&1 | tee "$OUT/bench_prefill.txt"
-want sanitizer && step "compute-sanitizer memcheck (compiled kernels)" 300 compute-sanitizer --tool memcheck \
-  --leak-check no --error-exitcode 9 python -m pytest ${SANITIZER_TESTS:-tests} -q -p no:cacheprovider -m gpu -k "compiled" -x 2>&1 \
-  | tail -40 | tee "$OUT/sanitizer_memcheck.txt"
+# memcheck: the whole log goes to the file as it comes (a pipe through tail would hold it until the
+# end, and a target left behind by the timeout would hold the pipe open)
+want sanitizer && { step "compute-sanitizer memcheck (compiled kernels)" ${SANITIZER_TIMEOUT:-300} compute-sanitizer \
+  --tool memcheck --leak-check no --error-exitcode 9 python -m pytest ${SANITIZER_TESTS:-tests} -v -p no:cacheprovider \
+  -m gpu -k "compiled" -x > "$OUT/sanitizer_memcheck.txt" 2>&1; tail -5 "$OUT/sanitizer_memcheck.txt"; }
 want plot && step "plot" 60 python -m ckv_jax.cli plot $(ls "$OUT"/{writer,gather,patch,prefill}.json 2>/dev/null) \
   --out-dir "$OUT"
 exit $status

@@ -6,10 +6,11 @@
 
 Each run is `op:tokens[:rows_per_tile:num_warps]`: ops gather_records, gather_dequant,
 gather_slots (Pallas Triton, the given config), gather_records_mosaic (Mosaic GPU),
-torch_pages (`index_select` of the same whole pages) and torch_rows (`index_select` of the same
-rows).  Every op runs once on inputs built on the host, so the only kernels launched are the
-profiled ones; the paged ops pack one request of `tokens` records in 64-token pages picked at
-random from a cache twice that size.
+torch_pages (`index_select` of the same whole pages), torch_rows (`index_select` of the same
+rows) and write_records (the Pallas Triton writer, `tokens` tokens to random slots of a cache
+four times that size; the config is tokens_per_block:num_warps).  Every op runs once on inputs
+built on the host, so the only kernels launched are the profiled ones; the paged ops pack one
+request of `tokens` records in 64-token pages picked at random from a cache twice that size.
 """
 from __future__ import annotations
 
@@ -22,22 +23,39 @@ import numpy as np
 
 from ckv_jax import formats
 from pallas_kernels import _pallas_compat as compat
-from pallas_kernels import paged_gather
+from pallas_kernels import cache_writer, paged_gather
+from pallas_kernels.cache_writer import WriterConfig
 from pallas_kernels.paged_gather import GatherConfig
 
 BLOCK = 64
-OPS = ("gather_records", "gather_records_mosaic", "gather_dequant", "gather_slots", "torch_pages", "torch_rows")
+OPS = ("gather_records", "gather_records_mosaic", "gather_dequant", "gather_slots", "torch_pages", "torch_rows",
+       "write_records")
 
 
 def parse_run(text: str) -> tuple[str, int, GatherConfig | None]:
     parts = text.split(":")
     if parts[0] not in OPS or len(parts) not in (2, 4):
         raise argparse.ArgumentTypeError(f"expected op:tokens[:rows:warps] with op in {OPS}, got {text!r}")
-    config = GatherConfig(int(parts[2]), int(parts[3])) if len(parts) == 4 else None
+    config_type = WriterConfig if parts[0] == "write_records" else GatherConfig
+    config = config_type(int(parts[2]), int(parts[3])) if len(parts) == 4 else None
     return parts[0], int(parts[1]), config
 
 
-def run_once(op: str, tokens: int, config: GatherConfig | None, fmt: formats.RecordFormat, rng) -> None:
+def write_once(tokens: int, config: WriterConfig | None, fmt: formats.RecordFormat, rng) -> None:
+    num_blocks = -(-4 * tokens // BLOCK)
+    cache = jnp.zeros((num_blocks, BLOCK, fmt.record_bytes), jnp.uint8)
+    kv_c = jnp.asarray((rng.standard_normal((tokens, fmt.nope_dim), np.float32) * 3)).astype(jnp.bfloat16)
+    k_pe = jnp.asarray(rng.standard_normal((tokens, fmt.rope_dim), np.float32)).astype(jnp.bfloat16)
+    slots = jnp.asarray(rng.permutation(num_blocks * BLOCK)[:tokens].astype(np.int32))
+    jax.block_until_ready((cache, kv_c, k_pe, slots))
+    out = cache_writer.write_records_triton(cache, kv_c, k_pe, slots, layout=fmt.layout,
+                                            config=config or WriterConfig())
+    jax.block_until_ready(out)
+
+
+def run_once(op: str, tokens: int, config, fmt: formats.RecordFormat, rng) -> None:
+    if op == "write_records":
+        return write_once(tokens, config, fmt, rng)
     npages = -(-tokens // BLOCK)
     cache_np = rng.integers(0, 256, (2 * npages, BLOCK, fmt.record_bytes), dtype=np.uint8)
     pages = rng.permutation(2 * npages)[:npages].astype(np.int32)

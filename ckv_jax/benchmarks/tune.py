@@ -231,13 +231,14 @@ def table_rows(results):
     config of each; row boundaries halfway (geometrically) between the measured sizes.  Paged
     gathers count with one request (the size's bytes as one pack)."""
     rows = {}
+    results = [r for r in results if r.get("requests", 1) == 1]     # a sweep of several requests adds no rows
     for op in sorted({r["op"] for r in results}):
         sizes = sorted({r["size"] for r in results if r["op"] == op})
         moved = {s: min(r["bytes_moved"] for r in results if r["op"] == op and r["size"] == s) for s in sizes}
         out = []
         for i, size in enumerate(sizes):
             cands = [r for r in results if r["op"] == op and r["size"] == size and r["exact"]
-                     and not r.get("baseline") and r.get("requests", 1) == 1]
+                     and not r.get("baseline")]
             by_key = {}
             for r in cands:
                 key = (r["implementation"], json.dumps(r["config"], sort_keys=True))
@@ -256,13 +257,14 @@ def table_rows(results):
 
 
 def merge_results(paths) -> list[dict]:
-    """The results of several sweeps' JSON files, one row per (op, format, size, implementation,
-    config) with its time averaged over the sweeps that ran it (exact only if exact in all)."""
+    """The results of several sweeps' JSON files, one row per (op, format, size, requests,
+    implementation, config) with its time averaged over the sweeps that ran it (exact only if
+    exact in all)."""
     runs = {}
     for path in paths:
         with open(path) as f:
             for row in json.load(f)["results"]:
-                key = (row["op"], row["format"], row["size"], row["implementation"],
+                key = (row["op"], row["format"], row["size"], row.get("requests", 1), row["implementation"],
                        json.dumps(row["config"], sort_keys=True))
                 runs.setdefault(key, []).append(row)
     merged = []

@@ -3,6 +3,10 @@
 One program encodes `tokens_per_block` tokens and stores each record segment (a power-of-two
 byte range) with one masked scatter into the aliased cache.  Invalid slots (negative, past the
 cache, or rows past T) are masked, so they are never read or written.
+
+The encode is integer-ALU bound for nvfp4 (`ncu`: BENCHMARKS.md, writer notes), so that path
+reads the NoPE as element pairs (one uint32 word per two 2-byte values) and builds each byte's two
+nibbles side by side, instead of interleaving codes through a reshape.
 """
 from __future__ import annotations
 
@@ -24,8 +28,8 @@ _TRITON_ARITHMETIC = record_codec.Arithmetic(divide=compat.triton_ieee_divide,
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WriterConfig:
-    # default: fastest over both quantized formats from 8K to 1M tokens in the H200 sweeps of
-    # BENCHMARKS.md ("Tuning table"), where no tuned row applies
+    # default, where no tuned row applies: summed over both quantized formats at 8K, 256K and 1M
+    # tokens, within 1% of the fastest config in the H200 sweep of BENCHMARKS.md ("Tuning table")
     tokens_per_block: int = 8
     num_warps: int = 4
 
@@ -33,11 +37,33 @@ class WriterConfig:
         tuning.check_power_of_two_fields(self, ("tokens_per_block", "num_warps"))
 
 
+def _load_nope_pairs(kv_c_ref, tok, in_range, kv_dtype):
+    """(even, odd): f32[T, nope_dim / 2], NoPE elements 2k and 2k + 1 of each token.
+
+    A 2-byte kv_c arrives as uint32 words, one per element pair (low half: element 2k), so both
+    halves come from one vector load; float32 kv_c is read at even and odd columns."""
+    if kv_c_ref.dtype == jnp.uint32:
+        cols = lax.broadcasted_iota(jnp.int32, (1, kv_c_ref.shape[1]), 1)
+        mask = jnp.broadcast_to(in_range[:, None], (tok.shape[0], kv_c_ref.shape[1]))
+        words = compat.pltriton.load(kv_c_ref.at[tok[:, None], cols], mask=mask, other=0)
+        if kv_dtype == jnp.bfloat16:               # a bf16 is the top half of its float32
+            return (lax.bitcast_convert_type(words << 16, jnp.float32),
+                    lax.bitcast_convert_type(words & jnp.uint32(0xFFFF0000), jnp.float32))
+        halves = (words & 0xFFFF, words >> 16)
+        return tuple(lax.bitcast_convert_type(h.astype(jnp.uint16), kv_dtype).astype(jnp.float32)
+                     for h in halves)
+    pairs = kv_c_ref.shape[1] // 2
+    cols = 2 * lax.broadcasted_iota(jnp.int32, (1, pairs), 1)
+    mask = jnp.broadcast_to(in_range[:, None], (tok.shape[0], pairs))
+    return tuple(compat.pltriton.load(kv_c_ref.at[tok[:, None], cols + parity], mask=mask, other=0)
+                 .astype(jnp.float32) for parity in (0, 1))
+
+
 def _writer_kernel(slot_ref, kv_c_ref, k_pe_ref, cache_in_ref, cache_ref, *,
-                   layout: RecordLayout, num_tokens: int, num_slots: int,
+                   layout: RecordLayout, kv_dtype, num_tokens: int, num_slots: int,
                    tokens_per_block: int, interpret: bool):
-    # slot_ref: i32[T]; kv_c_ref: [T, nope_dim]; k_pe_ref: bf16[T, rope_dim]
-    # cache_in_ref / cache_ref: u8[num_slots, record_bytes] (the same buffer, aliased)
+    # slot_ref: i32[T]; kv_c_ref: [T, nope_dim], or u32[T, nope_dim / 2] (2-byte kv_c for nvfp4);
+    # k_pe_ref: bf16[T, rope_dim]; cache_in_ref / cache_ref: u8[num_slots, record_bytes] (aliased)
     del cache_in_ref
     tok = pl.program_id(0) * tokens_per_block + lax.broadcasted_iota(jnp.int32, (tokens_per_block,), 0)
     in_range = tok < num_tokens
@@ -49,8 +75,14 @@ def _writer_kernel(slot_ref, kv_c_ref, k_pe_ref, cache_in_ref, cache_ref, *,
         mask = jnp.broadcast_to(in_range[:, None], (tokens_per_block, ref.shape[1]))
         return compat.pltriton.load(ref.at[tok[:, None], cols], mask=mask, other=0)
 
-    segments = record_codec.encode_segments(layout, load_rows(kv_c_ref), load_rows(k_pe_ref),
-                                            record_codec.PORTABLE if interpret else _TRITON_ARITHMETIC)
+    arith = record_codec.PORTABLE if interpret else _TRITON_ARITHMETIC
+    if layout.kind == "nvfp4_groups":
+        # the two nibbles of a byte come from one element pair: no interleaving of the codes
+        rope = record_codec.rope_bytes(load_rows(k_pe_ref))
+        even, odd = _load_nope_pairs(kv_c_ref, tok, in_range, kv_dtype)
+        segments = record_codec.encode_nvfp4_segments(layout, even, odd, rope, arith)
+    else:
+        segments = record_codec.encode_segments(layout, load_rows(kv_c_ref), load_rows(k_pe_ref), arith)
     rows = jnp.where(valid, slot, num_slots)[:, None]   # masked rows point past the cache
     for seg, data in zip(layout.segments, segments):
         cols = seg.offset + lax.broadcasted_iota(jnp.int32, (1, seg.width), 1)
@@ -68,8 +100,12 @@ def write_records_triton(cache: jax.Array, kv_c: jax.Array, k_pe: jax.Array, slo
     num_tokens = kv_c.shape[0]
     if num_tokens == 0:
         return cache
+    kv_dtype = kv_c.dtype
+    if layout.kind == "nvfp4_groups" and kv_dtype.itemsize == 2:
+        # one uint32 word per element pair (a bitcast, no copy): see `_load_nope_pairs`
+        kv_c = lax.bitcast_convert_type(kv_c.reshape(num_tokens, -1, 2), jnp.uint32)
     kernel = functools.partial(
-        _writer_kernel, layout=layout, num_tokens=num_tokens, num_slots=num_slots,
+        _writer_kernel, layout=layout, kv_dtype=kv_dtype, num_tokens=num_tokens, num_slots=num_slots,
         tokens_per_block=config.tokens_per_block, interpret=interpret)
     flat = cache.reshape(num_slots, record_bytes)
     out = pl.pallas_call(
