@@ -32,7 +32,7 @@ OPS = ("gather_records", "gather_records_mosaic", "gather_dequant", "gather_slot
        "write_records")
 
 
-def parse_run(text: str) -> tuple[str, int, GatherConfig | None]:
+def parse_run(text: str) -> tuple[str, int, GatherConfig | WriterConfig | None]:
     parts = text.split(":")
     if parts[0] not in OPS or len(parts) not in (2, 4):
         raise argparse.ArgumentTypeError(f"expected op:tokens[:rows:warps] with op in {OPS}, got {text!r}")

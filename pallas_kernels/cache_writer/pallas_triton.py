@@ -37,26 +37,31 @@ class WriterConfig:
         tuning.check_power_of_two_fields(self, ("tokens_per_block", "num_warps"))
 
 
+def _load_rows(ref, tok, in_range, *, first=0, stride=1):
+    """ref[tok, first::stride] as a [tokens, ref.shape[1] // stride] tile; rows past T read 0."""
+    width = ref.shape[1] // stride
+    cols = lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    if (first, stride) != (0, 1):      # the plain tile keeps the column iota Triton vectorizes
+        cols = first + stride * cols
+    mask = jnp.broadcast_to(in_range[:, None], (tok.shape[0], width))
+    return compat.pltriton.load(ref.at[tok[:, None], cols], mask=mask, other=0)
+
+
 def _load_nope_pairs(kv_c_ref, tok, in_range, kv_dtype):
     """(even, odd): f32[T, nope_dim / 2], NoPE elements 2k and 2k + 1 of each token.
 
     A 2-byte kv_c arrives as uint32 words, one per element pair (low half: element 2k), so both
     halves come from one vector load; float32 kv_c is read at even and odd columns."""
     if kv_c_ref.dtype == jnp.uint32:
-        cols = lax.broadcasted_iota(jnp.int32, (1, kv_c_ref.shape[1]), 1)
-        mask = jnp.broadcast_to(in_range[:, None], (tok.shape[0], kv_c_ref.shape[1]))
-        words = compat.pltriton.load(kv_c_ref.at[tok[:, None], cols], mask=mask, other=0)
+        words = _load_rows(kv_c_ref, tok, in_range)
         if kv_dtype == jnp.bfloat16:               # a bf16 is the top half of its float32
             return (lax.bitcast_convert_type(words << 16, jnp.float32),
                     lax.bitcast_convert_type(words & jnp.uint32(0xFFFF0000), jnp.float32))
         halves = (words & 0xFFFF, words >> 16)
         return tuple(lax.bitcast_convert_type(h.astype(jnp.uint16), kv_dtype).astype(jnp.float32)
                      for h in halves)
-    pairs = kv_c_ref.shape[1] // 2
-    cols = 2 * lax.broadcasted_iota(jnp.int32, (1, pairs), 1)
-    mask = jnp.broadcast_to(in_range[:, None], (tok.shape[0], pairs))
-    return tuple(compat.pltriton.load(kv_c_ref.at[tok[:, None], cols + parity], mask=mask, other=0)
-                 .astype(jnp.float32) for parity in (0, 1))
+    return tuple(_load_rows(kv_c_ref, tok, in_range, first=parity, stride=2).astype(jnp.float32)
+                 for parity in (0, 1))
 
 
 def _writer_kernel(slot_ref, kv_c_ref, k_pe_ref, cache_in_ref, cache_ref, *,
@@ -70,11 +75,7 @@ def _writer_kernel(slot_ref, kv_c_ref, k_pe_ref, cache_in_ref, cache_ref, *,
     slot = compat.pltriton.load(slot_ref.at[tok], mask=in_range, other=-1)
     valid = in_range & (slot >= 0) & (slot < num_slots)
 
-    def load_rows(ref):
-        cols = lax.broadcasted_iota(jnp.int32, (1, ref.shape[1]), 1)
-        mask = jnp.broadcast_to(in_range[:, None], (tokens_per_block, ref.shape[1]))
-        return compat.pltriton.load(ref.at[tok[:, None], cols], mask=mask, other=0)
-
+    load_rows = functools.partial(_load_rows, tok=tok, in_range=in_range)
     arith = record_codec.PORTABLE if interpret else _TRITON_ARITHMETIC
     if layout.kind == "nvfp4_groups":
         # the two nibbles of a byte come from one element pair: no interleaving of the codes
