@@ -334,7 +334,7 @@ def encode(layout: RecordLayout, kv_c: jnp.ndarray, k_pe: jnp.ndarray,
 # ------------------------------------------------------------------------------------------
 # decode (Triton-lowerable once the record is split into segments)
 # ------------------------------------------------------------------------------------------
-def _le_words(byts: jnp.ndarray, dtype) -> jnp.ndarray:
+def le_words(byts: jnp.ndarray, dtype) -> jnp.ndarray:
     """uint8[T, n * k] -> dtype[T, n] little-endian (k = itemsize), by shifts: no value slicing."""
     k = jnp.dtype(dtype).itemsize
     word = {2: jnp.uint16, 4: jnp.uint32}[k]
@@ -357,13 +357,13 @@ def _e2m1_values(codes: jnp.ndarray) -> jnp.ndarray:
 def decode_segments(layout: RecordLayout, segments) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Per-segment bytes (as `encode_segments` returns them) -> (f32[T, nope_dim], bf16[T, rope_dim])."""
     seg = dict(zip((s.name for s in layout.segments), segments))
-    rope = _le_words(seg["rope_bf16"], jnp.bfloat16)
+    rope = le_words(seg["rope_bf16"], jnp.bfloat16)
     if layout.kind == "bf16":
-        return _le_words(seg["nope_bf16"], jnp.bfloat16).astype(jnp.float32), rope
+        return le_words(seg["nope_bf16"], jnp.bfloat16).astype(jnp.float32), rope
     t = rope.shape[0]
     if layout.kind == "fp8_tiles":
         q = lax.bitcast_convert_type(seg["nope_e4m3"], jnp.float8_e4m3fn).astype(jnp.float32)
-        scale = _le_words(seg["tile_scales_f32"], jnp.float32)
+        scale = le_words(seg["tile_scales_f32"], jnp.float32)
     else:
         packed = seg["nope_e2m1"]
         nibble_shift = lax.broadcasted_iota(jnp.uint8, (1, 1, 2), 2) * 4
@@ -372,6 +372,25 @@ def decode_segments(layout: RecordLayout, segments) -> tuple[jnp.ndarray, jnp.nd
         scale = lax.bitcast_convert_type(seg["group_scales_e4m3"], jnp.float8_e4m3fn).astype(jnp.float32)
     nope = (q.reshape(t, layout.num_blocks, layout.quant_block) * scale[:, :, None]).reshape(t, layout.nope_dim)
     return nope, rope
+
+
+def decode_nvfp4_pairs(layout: RecordLayout, packed: jnp.ndarray, scale_bytes: jnp.ndarray):
+    """(even, odd): f32[T, nope_dim / 2], the NoPE elements 2k and 2k + 1 of nvfp4_groups records,
+    from their packed nibbles u8[T, nope_dim / 2] and group scales u8[T, groups] (no
+    interleaving: byte k's low and high nibbles give even[:, k] and odd[:, k])."""
+    t = packed.shape[0]
+    shape = (t, layout.num_blocks, layout.quant_block // 2)
+    scale = lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn).astype(jnp.float32)[:, :, None]
+    return tuple((_e2m1_values(codes).reshape(shape) * scale).reshape(t, layout.nope_dim // 2)
+                 for codes in (packed & 0xF, packed >> 4))
+
+
+def bf16_pair_words(even: jnp.ndarray, odd: jnp.ndarray) -> jnp.ndarray:
+    """f32[T, n] twice -> uint32[T, n]: each pair rounded to bf16, even in the low half (the
+    little-endian bytes of bf16[T, 2n] with the two interleaved)."""
+    low, high = (lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
+                 for x in (even, odd))
+    return low | (high << 16)
 
 
 def split_segments(layout: RecordLayout, records: jnp.ndarray) -> tuple[jnp.ndarray, ...]:

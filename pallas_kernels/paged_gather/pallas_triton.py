@@ -143,8 +143,16 @@ def _dequant_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, tile, layout, evictio
         mask = jnp.broadcast_to(read_ok, (tile_rows, seg.width))
         segments.append(compat.pltriton.load(cache_ref.at[src, cols], mask=mask, other=0,
                                              eviction_policy=eviction_policy))
-    nope, rope = record_codec.decode_segments(layout, segments)
-    for values, offset in ((nope.astype(jnp.bfloat16), 0), (rope, layout.nope_dim)):
+    if layout.kind == "nvfp4_groups":
+        # out_ref: u32[num_rows, (nope_dim + rope_dim) / 2], bf16 pairs; no nibble interleaving
+        seg = dict(zip((s.name for s in layout.segments), segments))
+        even, odd = record_codec.decode_nvfp4_pairs(layout, seg["nope_e2m1"], seg["group_scales_e4m3"])
+        outputs = ((record_codec.bf16_pair_words(even, odd), 0),
+                   (record_codec.le_words(seg["rope_bf16"], jnp.uint32), layout.nope_dim // 2))
+    else:
+        nope, rope = record_codec.decode_segments(layout, segments)
+        outputs = ((nope.astype(jnp.bfloat16), 0), (rope, layout.nope_dim))
+    for values, offset in outputs:
         cols = offset + lax.broadcasted_iota(jnp.int32, (1, values.shape[1]), 1)
         compat.pltriton.store(out_ref.at[dst, cols], values, mask=jnp.broadcast_to(write_ok, values.shape))
 
@@ -189,9 +197,14 @@ def gather_records_triton(cache, block_table, cu_lens, *, num_rows: int,
 def gather_dequant_triton(cache, block_table, cu_lens, *, num_rows: int, layout: RecordLayout,
                           config: GatherConfig = DEQUANT_CONFIG, interpret: bool = False):
     """Same contract as `gather_dequant_reference`: -> bf16[num_rows, nope_dim + rope_dim]."""
-    return _paged_call(_dequant_kernel, jax.ShapeDtypeStruct((num_rows, layout.value_dim), jnp.bfloat16),
-                       cache, block_table, cu_lens, num_rows, config, interpret,
-                       f"ckv_gather_dequant_{layout.kind}_r{cache.shape[2]}", layout=layout)
+    pairs = layout.kind == "nvfp4_groups"       # the kernel writes bf16 pairs as uint32 words
+    out_shape = (jax.ShapeDtypeStruct((num_rows, layout.value_dim // 2), jnp.uint32) if pairs
+                 else jax.ShapeDtypeStruct((num_rows, layout.value_dim), jnp.bfloat16))
+    out = _paged_call(_dequant_kernel, out_shape, cache, block_table, cu_lens, num_rows, config, interpret,
+                      f"ckv_gather_dequant_{layout.kind}_r{cache.shape[2]}", layout=layout)
+    if pairs:                                   # a bitcast: no copy
+        out = lax.bitcast_convert_type(out, jnp.bfloat16).reshape(num_rows, layout.value_dim)
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
