@@ -346,12 +346,26 @@ def le_words(byts: jnp.ndarray, dtype) -> jnp.ndarray:
 
 
 def _e2m1_values(codes: jnp.ndarray) -> jnp.ndarray:
-    """float4_e2m1fn codes (uint8 0..15) -> float32 {0, .5, 1, 1.5, 2, 3, 4, 6} with sign."""
-    c = (codes & 0x7).astype(jnp.float32)
-    mag = jnp.where(c < 4, c * 0.5, jnp.where(c == 7, 6.0, c - 2.0))
-    # the sign goes in as a bit: compiled Triton negates as 0 - x, which loses the sign of -0
-    sign = ((codes >> 3) & 1).astype(jnp.uint32) << 31
-    return lax.bitcast_convert_type(lax.bitcast_convert_type(mag, jnp.uint32) | sign, jnp.float32)
+    """float4_e2m1fn codes (uint8 0..15) -> float32 {0, .5, 1, 1.5, 2, 3, 4, 6} with sign.
+
+    Assembled from integer bits, without an int-to-float conversion (on the GPU conversions run on
+    a narrow pipe, which limited the dequantizing gather): codes 0 and 1 are 0 and 0.5
+    (0x3F000000); from 2 up, ``(code << 22) + 0x3F000000`` puts the code's two high bits in the
+    exponent above 0.5 and its low bit in the first fraction bit.  The sign goes in as a bit
+    (compiled Triton negates as 0 - x, which loses the sign of -0).
+    """
+    c = (codes & 0x7).astype(jnp.uint32)
+    mag = jnp.where(c < 2, c * jnp.uint32(0x3F000000), (c << 22) + jnp.uint32(0x3F000000))
+    sign = (codes & 0x8).astype(jnp.uint32) << 28
+    return lax.bitcast_convert_type(mag | sign, jnp.float32)
+
+
+def _interleave(even: jnp.ndarray, odd: jnp.ndarray) -> jnp.ndarray:
+    """f32[T, n] twice -> f32[T, 2n] with even[:, k], odd[:, k] at 2k, 2k + 1 (a select over a
+    broadcast, which Triton lowers, instead of a stack)."""
+    t, n = even.shape
+    first = lax.broadcasted_iota(jnp.int32, (1, 1, 2), 2) == 0
+    return jnp.where(first, even[:, :, None], odd[:, :, None]).reshape(t, 2 * n)
 
 
 def decode_segments(layout: RecordLayout, segments) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -360,16 +374,11 @@ def decode_segments(layout: RecordLayout, segments) -> tuple[jnp.ndarray, jnp.nd
     rope = le_words(seg["rope_bf16"], jnp.bfloat16)
     if layout.kind == "bf16":
         return le_words(seg["nope_bf16"], jnp.bfloat16).astype(jnp.float32), rope
+    if layout.kind == "nvfp4_groups":
+        return _interleave(*decode_nvfp4_pairs(layout, seg["nope_e2m1"], seg["group_scales_e4m3"])), rope
     t = rope.shape[0]
-    if layout.kind == "fp8_tiles":
-        q = lax.bitcast_convert_type(seg["nope_e4m3"], jnp.float8_e4m3fn).astype(jnp.float32)
-        scale = le_words(seg["tile_scales_f32"], jnp.float32)
-    else:
-        packed = seg["nope_e2m1"]
-        nibble_shift = lax.broadcasted_iota(jnp.uint8, (1, 1, 2), 2) * 4
-        codes = ((packed[:, :, None] >> nibble_shift) & 0xF).reshape(t, layout.nope_dim)
-        q = _e2m1_values(codes)
-        scale = lax.bitcast_convert_type(seg["group_scales_e4m3"], jnp.float8_e4m3fn).astype(jnp.float32)
+    q = lax.bitcast_convert_type(seg["nope_e4m3"], jnp.float8_e4m3fn).astype(jnp.float32)
+    scale = le_words(seg["tile_scales_f32"], jnp.float32)
     nope = (q.reshape(t, layout.num_blocks, layout.quant_block) * scale[:, :, None]).reshape(t, layout.nope_dim)
     return nope, rope
 
@@ -377,7 +386,12 @@ def decode_segments(layout: RecordLayout, segments) -> tuple[jnp.ndarray, jnp.nd
 def decode_nvfp4_pairs(layout: RecordLayout, packed: jnp.ndarray, scale_bytes: jnp.ndarray):
     """(even, odd): f32[T, nope_dim / 2], the NoPE elements 2k and 2k + 1 of nvfp4_groups records,
     from their packed nibbles u8[T, nope_dim / 2] and group scales u8[T, groups] (no
-    interleaving: byte k's low and high nibbles give even[:, k] and odd[:, k])."""
+    interleaving: byte k's low and high nibbles give even[:, k] and odd[:, k]).
+
+    Each value is an e2m1 value (at most 2 significant bits) times an e4m3 scale (at most 4), so
+    the float32 product is exact and its magnitude lies in [2**-10, 2688]: every finite value is
+    exactly representable in bf16 (`exact_bf16_pair_words`).  A NaN scale byte gives NaN.
+    """
     t = packed.shape[0]
     shape = (t, layout.num_blocks, layout.quant_block // 2)
     scale = lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn).astype(jnp.float32)[:, :, None]
@@ -385,12 +399,17 @@ def decode_nvfp4_pairs(layout: RecordLayout, packed: jnp.ndarray, scale_bytes: j
                  for codes in (packed & 0xF, packed >> 4))
 
 
-def bf16_pair_words(even: jnp.ndarray, odd: jnp.ndarray) -> jnp.ndarray:
-    """f32[T, n] twice -> uint32[T, n]: each pair rounded to bf16, even in the low half (the
-    little-endian bytes of bf16[T, 2n] with the two interleaved)."""
-    low, high = (lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
-                 for x in (even, odd))
-    return low | (high << 16)
+def exact_bf16_pair_words(even: jnp.ndarray, odd: jnp.ndarray) -> jnp.ndarray:
+    """f32[T, n] twice -> uint32[T, n]: bf16 pairs, even in the low half (the little-endian bytes
+    of bf16[T, 2n] with the two interleaved), by keeping the top 16 bits of each float32.
+
+    Only for values exactly representable in bf16, where that equals rounding, and quiet NaNs
+    (a NaN with only low payload bits would become Inf): true of `decode_nvfp4_pairs`' output.
+    It replaces two float conversions per pair with a shift and a mask.
+    """
+    low = lax.bitcast_convert_type(even, jnp.uint32) >> 16
+    high = lax.bitcast_convert_type(odd, jnp.uint32) & jnp.uint32(0xFFFF0000)
+    return low | high
 
 
 def split_segments(layout: RecordLayout, records: jnp.ndarray) -> tuple[jnp.ndarray, ...]:

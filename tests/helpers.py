@@ -35,6 +35,30 @@ def assert_bytes_equal(got, want, what="records"):
         f"got {got[tuple(bad[0])]} want {want[tuple(bad[0])]}"
 
 
+def assert_bf16_bits_equal(got, want, what="values"):
+    """bf16 arrays equal bit for bit, except that any NaN matches any NaN (NaN positions must
+    agree): XLA on CPU quiets signaling NaNs and GPUs return a canonical NaN."""
+    got, want = np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)
+    nan_got, nan_want = (((w & 0x7FFF) > 0x7F80) for w in (got, want))
+    np.testing.assert_array_equal(nan_got, nan_want, err_msg=f"{what}: NaN positions differ")
+    assert_bytes_equal(np.where(nan_want, 0, got), np.where(nan_want, 0, want), what)
+
+
+def nvfp4_every_code_and_scale():
+    """u8[16, 432] nvfp4_ds_mla records in which every e2m1 code meets every e4m3 scale byte
+    (NaN scales 0x7F and 0xFF included) at an even and at an odd element: record t's group g has
+    scale byte (32t + g) % 256 and its 16 elements hold codes (j + t // 8) % 16, so the two
+    groups sharing a scale byte hold each code at opposite parities.  RoPE bytes are random."""
+    t = np.arange(16)[:, None, None]
+    codes = ((np.arange(16)[None, None, :] + t // 8) % 16).astype(np.uint8)
+    codes = np.broadcast_to(codes, (16, 32, 16)).reshape(16, 256, 2)
+    records = np.zeros((16, 432), np.uint8)
+    records[:, :256] = codes[:, :, 0] | (codes[:, :, 1] << 4)
+    records[:, 256:288] = (32 * np.arange(16)[:, None] + np.arange(32)) % 256
+    records[:, 304:] = np.random.default_rng(16).integers(0, 256, (16, 128), dtype=np.uint8)
+    return records
+
+
 HERE = os.path.dirname(__file__)
 
 

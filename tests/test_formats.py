@@ -7,7 +7,8 @@ import pytest
 
 import oracle
 from ckv_jax import formats
-from helpers import FLUSHES_SUBNORMALS, assert_bytes_equal, oracle_records, random_kv
+from helpers import (FLUSHES_SUBNORMALS, assert_bf16_bits_equal, assert_bytes_equal, nvfp4_every_code_and_scale,
+                     oracle_records, random_kv)
 
 NAMES = ["fp8_ds_mla", "nvfp4_ds_mla", "bf16"]
 
@@ -236,3 +237,20 @@ def test_e2m1_conversion_is_exact_including_ties():
         want = np.clip(x, -6, 6).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
     want = np.where(np.isnan(x), 0x7, want | (np.signbit(x) << 3).astype(np.uint8))
     assert_bytes_equal(jax.jit(e2m1_nibbles)(x), want, "e2m1 codes")
+
+
+def test_nvfp4_pair_decode_is_exact_for_every_code_and_scale():
+    """The dequantizing gather's nvfp4 path (integer-assembled e2m1 values, bf16 by truncating the
+    float32 bits) against ml_dtypes' e2m1 x e4m3 product rounded to bf16, for every code and
+    scale byte at both parities; and the f32 decode against the oracle."""
+    from pallas_kernels.record_codec import decode_nvfp4_pairs, exact_bf16_pair_words
+    fmt = formats.get("nvfp4_ds_mla")
+    records = nvfp4_every_code_and_scale()
+    words = jax.jit(lambda p, s: exact_bf16_pair_words(*decode_nvfp4_pairs(fmt.layout, p, s)))(
+        records[:, :256], records[:, 256:288])
+    want = oracle.decode("nvfp4_ds_mla", records)[:, :512]
+    assert np.isnan(want).sum() == 4 * 16 and (want == 0).any() and (np.abs(want) == 2688).any()
+    with np.errstate(invalid="ignore"):              # NaN scales: NaN values, cast on purpose
+        want_bf16 = want.astype(ml_dtypes.bfloat16)
+    assert_bf16_bits_equal(np.asarray(words).view(ml_dtypes.bfloat16), want_bf16, "nvfp4 pairs")
+    np.testing.assert_array_equal(np.asarray(fmt.decode(jnp.asarray(records)))[:, :512], want)

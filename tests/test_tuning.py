@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ckv_jax import formats
+from ckv_jax.benchmarks import timing as timing_mod
 from ckv_jax.benchmarks import tune
 from pallas_kernels import _registry, cache_writer, paged_gather, tuning
 from pallas_kernels.cache_writer import WriterConfig
@@ -121,12 +122,28 @@ def test_sweep_table_rows_pick_the_fastest_exact_non_baseline_over_both_formats(
     assert rows[1] == (int((2 * 100 * 656 * 2 * 400 * 656) ** 0.5), ("xla", "pallas_triton"), {"pallas_triton": a})
 
 
+def test_sweep_table_rows_rank_by_device_time_where_every_candidate_has_one():
+    a, b = {"rows_per_tile": 8, "num_warps": 4}, {"rows_per_tile": 16, "num_warps": 4}
+    results = []
+    for fmt in ("fp8", "nvfp4"):
+        # size 100: a is faster on the host clock, b on the device timeline: the device decides
+        results += [dict(_result("gather_records", fmt, 100, "pallas_triton", a, 10.0), device_us=8.0),
+                    dict(_result("gather_records", fmt, 100, "pallas_triton", b, 11.0), device_us=7.0),
+                    dict(_result("gather_records", fmt, 100, "xla", None, 12.0), device_us=7.5)]
+        # size 400: xla has no device time, so every candidate is ranked on the host clock
+        results += [dict(_result("gather_records", fmt, 400, "pallas_triton", a, 40.0), device_us=1.0),
+                    _result("gather_records", fmt, 400, "xla", None, 30.0)]
+    rows = tune.table_rows(results)["gather_records"]
+    assert rows[0][1:] == (("pallas_triton", "xla"), {"pallas_triton": b})
+    assert rows[1][1:] == (("xla", "pallas_triton"), {"pallas_triton": a})
+
+
 def test_merge_results_averages_each_config_over_the_sweeps(tmp_path):
     cfg = {"rows_per_tile": 8, "num_warps": 4}
     paths = []
     for i, us in enumerate([10.0, 20.0]):
         path = tmp_path / f"sweep{i}.json"
-        rows = [_result("gather_slots", "fp8", 64, "pallas_triton", cfg, us, exact=i == 0),
+        rows = [dict(_result("gather_slots", "fp8", 64, "pallas_triton", cfg, us, exact=i == 0), device_us=us / 2),
                 _result("gather_slots", "fp8", 64, "xla", None, 50.0 + i),
                 dict(_result("gather_slots", "fp8", 64, "xla", None, 90.0), requests=4)]
         path.write_text(json.dumps(dict(results=rows)))
@@ -135,9 +152,11 @@ def test_merge_results_averages_each_config_over_the_sweeps(tmp_path):
     assert [r["us"] for r in merged if r.get("requests") == 4] == [90.0]     # kept apart
     merged = {r["implementation"]: r for r in merged if "requests" not in r}
     assert merged["pallas_triton"]["us"] == pytest.approx(15.0)
+    assert merged["pallas_triton"]["device_us"] == pytest.approx(7.5)
     assert merged["pallas_triton"]["exact"] is False                 # inexact in one sweep: inexact
     assert merged["xla"]["us"] == pytest.approx(50.5)
     assert merged["xla"]["gbps"] == pytest.approx(2 * 64 * 656 / 50.5e-6 / 1e9)
+    assert "device_us" not in merged["xla"]
 
 
 @pytest.mark.parametrize("num_reqs, want", [(1, "pallas_mosaic_gpu"), (3, "pallas_triton")])
@@ -174,3 +193,38 @@ def test_sweep_request_tables_cover_the_tokens_on_distinct_pages(num_requests):
         need = -(-(cu[r + 1] - cu[r]) // tune.BLOCK)
         np.testing.assert_array_equal(table[r, :need], pages[sum(-(-(cu[k + 1] - cu[k]) // tune.BLOCK)
                                                                  for k in range(r)):][:need])
+
+
+def test_timing_without_a_gpu_timeline_reports_no_device_time():
+    """On CPU the profile has no GPU stream lines: the host-clock figure stays, device is None."""
+    inputs = [(jnp.full((256, 256), i, jnp.float32),) for i in range(3)]
+    timing = timing_mod.measure_pure(lambda x: x * 2 + 1, inputs, trials=3)
+    assert np.isfinite(timing.seconds) and (timing.device_seconds is None) == (jax.default_backend() != "gpu")
+    state = jnp.zeros((64,), jnp.float32)
+    timing, state = timing_mod.measure_in_place(lambda s, x: s + x[0, :64], state, inputs, trials=2)
+    assert (timing.device_seconds is None) == (jax.default_backend() != "gpu")
+    # each program adds its inputs' values: many (0 + 1 + 2) and one (0) to warm up, both again in
+    # each of the 2 trials, then many once under the profiler; all chained through the state
+    np.testing.assert_array_equal(np.asarray(state), np.full(64, 3 + 2 * 3 + 3, np.float32))
+
+
+def test_gpu_span_reads_only_the_gpu_stream_lines():
+    """The span of a profile built as XSpace text: the stream line's first start to last end,
+    not the annotation line of the same plane nor the host plane."""
+    from jax.profiler import ProfileData
+    profile = ProfileData.from_text_proto('''
+        planes { id: 1 name: "/device:GPU:0"
+          lines { id: 1 name: "Stream #14(Compute)" timestamp_ns: 1000
+            events { metadata_id: 1 offset_ps: 0 duration_ps: 5000000 }
+            events { metadata_id: 1 offset_ps: 6000000 duration_ps: 3000000 } }
+          lines { id: 2 name: "Stream #15(MemcpyD2D)" timestamp_ns: 12000
+            events { metadata_id: 1 offset_ps: 0 duration_ps: 1000000 } }
+          lines { id: 3 name: "XLA Ops" timestamp_ns: 0
+            events { metadata_id: 1 offset_ps: 0 duration_ps: 99000000 } }
+          event_metadata { key: 1 value { id: 1 name: "kernel" } } }
+        planes { id: 2 name: "/host:CPU"
+          lines { id: 1 name: "python" timestamp_ns: 0
+            events { metadata_id: 1 offset_ps: 0 duration_ps: 99000000 } }
+          event_metadata { key: 1 value { id: 1 name: "host" } } }''')
+    assert timing_mod.gpu_span_ns(profile) == 13000 - 1000
+    assert timing_mod.gpu_span_ns(ProfileData.from_text_proto('planes { id: 2 name: "/host:CPU" }')) is None

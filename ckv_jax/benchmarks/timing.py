@@ -1,19 +1,34 @@
-"""Device-side timing of JAX programs without the host dispatch floor.
+"""Timing of JAX programs without the host dispatch floor, on the host clock and on the device's.
 
-Per-call time = (t_R - t_1) / (R - 1), where t_R is the wall time of one jitted program that
-runs the operation R times on R different inputs and t_1 that of the same program with one
-input; the ~35 us dispatch and launch overhead cancels.  Medians over `trials`.
+Host clock: per-call time = (t_R - t_1) / (R - 1), where t_R is the wall time of one jitted
+program that runs the operation R times on R different inputs and t_1 that of the same program
+with one input; the ~35 us dispatch and launch overhead cancels.  Medians over `trials`.
+
+Device timeline (`Timing.device_seconds`): the R-call program is run once more under
+`jax.profiler`, and the span from the first kernel's start to the last kernel's end on the GPU's
+streams (CUPTI's records, read with `jax.profiler.ProfileData`) is divided by R.  It counts the
+kernels and the gaps between them, not the host's per-call cost, which the host-clock figure
+still carries at small sizes (BENCHMARKS.md: 10-17 us per call for a 13 us pack).  torch's
+counterpart replays the R calls as one CUDA graph between two CUDA events.
 """
 from __future__ import annotations
 
+import glob
+import os
 import statistics
+import tempfile
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+
+class Timing(NamedTuple):
+    seconds: float                   # host clock, (t_R - t_1) / (R - 1)
+    device_seconds: float | None     # device timeline span / R; None without a GPU timeline
 
 
 def _wall(fn, *args) -> float:
@@ -22,28 +37,70 @@ def _wall(fn, *args) -> float:
     return time.perf_counter() - start
 
 
-def time_pure(op: Callable, inputs: Sequence[tuple], trials: int = 7) -> float:
-    """Seconds per call of `op(*inputs[i])`; all R results are returned, so nothing is elided."""
-    r = len(inputs)
-    if r < 2:
-        raise ValueError(f"inputs: expected at least 2 input tuples, got {r}")
+def gpu_span_ns(profile) -> int | None:
+    """First start to last end, in ns, of the events on the stream lines ("Stream #...") of the
+    GPU planes ("/device:GPU:<n>") of a `jax.profiler.ProfileData`; None if there are none."""
+    starts, ends = [], []
+    for plane in profile.planes:
+        if not plane.name.startswith("/device:GPU:"):
+            continue
+        for line in plane.lines:
+            if line.name.startswith("Stream"):
+                for event in line.events:
+                    starts.append(event.start_ns)
+                    ends.append(event.end_ns)
+    return int(max(ends) - min(starts)) if starts else None
+
+
+def device_timeline_seconds(run: Callable[[], object], calls: int) -> float | None:
+    """Run `run()` (which must block until its work is done) under the JAX profiler: seconds per
+    call of its GPU timeline span over `calls`; None where the trace has no GPU streams (CPU)."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0          # only the device activity is read
+    with tempfile.TemporaryDirectory() as log_dir:
+        jax.profiler.start_trace(log_dir, profiler_options=options)
+        try:
+            run()
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True)
+        if len(files) != 1:
+            raise RuntimeError(f"expected one profile under {log_dir}, found {files}")
+        span = gpu_span_ns(jax.profiler.ProfileData.from_file(files[0]))
+    return None if span is None else span * 1e-9 / calls
+
+
+def _check_repeats(inputs):
+    if len(inputs) < 2:
+        raise ValueError(f"inputs: expected at least 2 input tuples, got {len(inputs)}")
+
+
+def measure_pure(op: Callable, inputs: Sequence[tuple], trials: int = 7, timeline: bool = True) -> Timing:
+    """Per-call time of `op(*inputs[i])`; all R results are returned, so nothing is elided.
+    `timeline=False` skips the device-timeline run."""
+    _check_repeats(inputs)
     many = jax.jit(lambda *xs: tuple(op(*x) for x in xs))
     one = jax.jit(lambda x: op(*x))
     jax.block_until_ready(many(*inputs))
     jax.block_until_ready(one(inputs[0]))
     t_r = statistics.median(_wall(many, *inputs) for _ in range(trials))
     t_1 = statistics.median(_wall(one, inputs[0]) for _ in range(trials))
-    return (t_r - t_1) / (r - 1)
+    device = (device_timeline_seconds(lambda: jax.block_until_ready(many(*inputs)), len(inputs))
+              if timeline else None)
+    return Timing((t_r - t_1) / (len(inputs) - 1), device)
 
 
-def time_in_place(op: Callable, state, inputs: Sequence[tuple], trials: int = 5):
-    """Seconds per call of `state = op(state, *inputs[i])` with `state` donated and chained.
+def time_pure(op: Callable, inputs: Sequence[tuple], trials: int = 7) -> float:
+    """Host-clock seconds per call of `op(*inputs[i])` (`measure_pure` without the timeline)."""
+    return measure_pure(op, inputs, trials, timeline=False).seconds
 
-    Returns (seconds, final state) so the caller can check the result.
+
+def measure_in_place(op: Callable, state, inputs: Sequence[tuple], trials: int = 5, timeline: bool = True):
+    """Per-call time of `state = op(state, *inputs[i])` with `state` donated and chained.
+
+    Returns (Timing, final state) so the caller can check the result.
     """
-    r = len(inputs)
-    if r < 2:
-        raise ValueError(f"inputs: expected at least 2 input tuples, got {r}")
+    _check_repeats(inputs)
 
     def chain(s, *xs):
         for x in xs:
@@ -62,16 +119,37 @@ def time_in_place(op: Callable, state, inputs: Sequence[tuple], trials: int = 5)
         start = time.perf_counter()
         state = jax.block_until_ready(one(state, inputs[0]))
         t_1s.append(time.perf_counter() - start)
-    return (statistics.median(t_rs) - statistics.median(t_1s)) / (r - 1), state
+    device = None
+    if timeline:
+        holder = [state]
+
+        def run():
+            holder[0] = jax.block_until_ready(many(holder[0], *inputs))
+
+        device = device_timeline_seconds(run, len(inputs))
+        state = holder[0]
+    seconds = (statistics.median(t_rs) - statistics.median(t_1s)) / (len(inputs) - 1)
+    return Timing(seconds, device), state
 
 
-def copy_seconds(nbytes: int, repeats: int) -> float:
+def time_in_place(op: Callable, state, inputs: Sequence[tuple], trials: int = 5):
+    """(host-clock seconds per call, final state): `measure_in_place` without the timeline."""
+    timing, state = measure_in_place(op, state, inputs, trials, timeline=False)
+    return timing.seconds, state
+
+
+def measure_copy(nbytes: int, repeats: int, timeline: bool = True) -> Timing:
     """Per-call time of a contiguous copy of `nbytes` (reads + writes = 2 * nbytes).  The calls
     read disjoint slices of one source, so a copy smaller than L2 does not read from L2."""
     n = nbytes // 4
     src = jax.random.bits(jax.random.key(1), (n * repeats,), jnp.uint32)
     inputs = [(src, jnp.int32(i * n)) for i in range(repeats)]     # the buffer is an argument
-    return time_pure(lambda s, off: lax.dynamic_slice_in_dim(s, off, n), inputs)
+    return measure_pure(lambda s, off: lax.dynamic_slice_in_dim(s, off, n), inputs, timeline=timeline)
+
+
+def copy_seconds(nbytes: int, repeats: int) -> float:
+    """Host-clock seconds per call of `measure_copy`."""
+    return measure_copy(nbytes, repeats, timeline=False).seconds
 
 
 def repeats_for(output_bytes: int, budget_bytes: int = 6 * 2 ** 30, lo: int = 7, hi: int = 64) -> int:
@@ -80,54 +158,92 @@ def repeats_for(output_bytes: int, budget_bytes: int = 6 * 2 ** 30, lo: int = 7,
     return int(min(hi, max(lo, budget_bytes // max(output_bytes, 1))))
 
 
-def torch_copy_seconds(nbytes: int, iters: int = 20) -> float | None:
-    """Per-call time of torch `copy_` of `nbytes` on the GPU (CUDA events), rotating over enough
-    buffers that the working set exceeds L2; None without torch or CUDA."""
+def _torch_cuda():
+    """The torch module if torch with CUDA is installed and a GPU is visible, else None."""
     try:
         import torch
     except ImportError:
         return None
-    if not torch.cuda.is_available():
+    return torch if torch.cuda.is_available() else None
+
+
+def _torch_timing(torch, step: Callable[[int], None], iters: int) -> Timing:
+    """Seconds per call of `step(k)` for k < iters between two CUDA events: launched one by one
+    from Python (`seconds`), and captured once as a CUDA graph and replayed, which puts the
+    kernels back to back as in a jitted program (`device_seconds`; None if capture fails)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for k in range(iters):
+        step(k)
+    end.record()
+    end.synchronize()
+    launched = start.elapsed_time(end) / 1e3 / iters
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.graph(graph, stream=side):
+            for k in range(iters):
+                step(k)
+    except RuntimeError as err:
+        print(f"torch CUDA graph capture failed, no device time: {err}")
+        return Timing(launched, None)
+    graph.replay()
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return Timing(launched, start.elapsed_time(end) / 1e3 / iters)
+
+
+def torch_copy_timing(nbytes: int, iters: int = 20) -> Timing | None:
+    """Per-call time of torch `copy_` of `nbytes` on the GPU, rotating over enough buffers that
+    the working set exceeds L2 (`_torch_timing`); None without torch or CUDA."""
+    torch = _torch_cuda()
+    if torch is None:
         return None
     pairs = max(2, -(-256 * 2 ** 20 // nbytes))
     bufs = [(torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
              torch.empty(nbytes, dtype=torch.uint8, device="cuda")) for _ in range(pairs)]
     for src, dst in bufs:
         dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(iters):
-        dst, src = bufs[i % pairs]
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / iters
-    del bufs
-    torch.cuda.empty_cache()
-    return seconds
+    try:
+        return _torch_timing(torch, lambda k: bufs[k % pairs][0].copy_(bufs[k % pairs][1]), iters)
+    finally:
+        bufs.clear()
+        torch.cuda.empty_cache()
+
+
+def torch_copy_seconds(nbytes: int, iters: int = 20) -> float | None:
+    """CUDA-event seconds per launched call of `torch_copy_timing`."""
+    timing = torch_copy_timing(nbytes, iters)
+    return None if timing is None else timing.seconds
+
+
+def torch_index_select_timing(source_np, index_list, iters: int = 20) -> Timing | None:
+    """Per-call time of `torch.index_select(source, 0, index)` rotating over the index arrays
+    (torch's own op for the same movement: whole pages, or rows), `_torch_timing`; None without
+    torch or CUDA, or if its first result does not equal a fresh `index_select`."""
+    torch = _torch_cuda()
+    if torch is None:
+        return None
+    bufs = dict(src=torch.from_numpy(source_np).cuda())
+    bufs["idx"] = [torch.from_numpy(i.astype(np.int64)).cuda() for i in index_list]
+    bufs["outs"] = [bufs["src"].index_select(0, i) for i in bufs["idx"]]      # warm-up, output buffers
+
+    def step(k):
+        torch.index_select(bufs["src"], 0, bufs["idx"][k % len(index_list)],
+                           out=bufs["outs"][k % len(index_list)])
+
+    try:
+        timing = _torch_timing(torch, step, iters)
+        ok = bool(torch.equal(bufs["outs"][0], bufs["src"].index_select(0, bufs["idx"][0])))
+        return timing if ok else None
+    finally:
+        bufs.clear()
+        torch.cuda.empty_cache()
 
 
 def torch_index_select_seconds(source_np, index_list, iters: int = 20) -> float | None:
-    """CUDA-event time of `torch.index_select(source, 0, index)` rotating over the index arrays
-    (torch's own op for the same movement: whole pages, or rows); None without torch or CUDA, or
-    if its first result does not equal a fresh `index_select`."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    src = torch.from_numpy(source_np).cuda()
-    idx = [torch.from_numpy(i.astype(np.int64)).cuda() for i in index_list]
-    outs = [src.index_select(0, i) for i in idx]                  # warm-up and output buffers
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for k in range(iters):
-        torch.index_select(src, 0, idx[k % len(idx)], out=outs[k % len(outs)])
-    end.record()
-    end.synchronize()
-    ok = bool(torch.equal(outs[0], src.index_select(0, idx[0])))
-    seconds = start.elapsed_time(end) / 1e3 / iters
-    del src, idx, outs
-    torch.cuda.empty_cache()
-    return seconds if ok else None
+    """CUDA-event seconds per launched call of `torch_index_select_timing`."""
+    timing = torch_index_select_timing(source_np, index_list, iters)
+    return None if timing is None else timing.seconds

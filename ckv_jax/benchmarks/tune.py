@@ -9,10 +9,14 @@ and a torch contiguous copy), the XLA implementation, the torch op doing the sam
 torch has one (`index_select` of whole pages for the pack, of rows for the gather by slot), XLA
 `jnp.take` of whole pages on a uint32 view, and the Pallas Triton kernel at every candidate
 config.  Each result is checked byte for byte against the reference before it is timed; caches
-span at least 512 MB so the 60 MB L2 cannot hold them.  The launch floor (one tiny kernel in a
-program of many) is measured too, for the small sizes' "bytes / bandwidth + one launch" floor.
-Prints the winners in the form of `pallas_kernels.tuning.TABLE`; `--table-from a.json b.json ...`
-prints them from earlier sweeps instead, each config's time averaged over the sweeps that ran it.
+span at least 512 MB so the 60 MB L2 cannot hold them.  Every time is taken twice
+(`ckv_jax.benchmarks.timing`): on the host clock, (t_R - t_1) / (R - 1), and on the device's
+timeline (the profiler's kernel span / R; torch: a replayed CUDA graph), each with its own copy
+ceiling.  The launch floor (one tiny kernel in a program of many) is measured too, for the small
+sizes' "bytes / bandwidth + one launch" floor.  Prints the winners, ranked by device time where
+every candidate has one, in the form of `pallas_kernels.tuning.TABLE`; `--table-from a.json
+b.json ...` prints them from earlier sweeps instead, each config's time averaged over the sweeps
+that ran it.
 """
 from __future__ import annotations
 
@@ -27,8 +31,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from ckv_jax import formats
-from ckv_jax.benchmarks.timing import (copy_seconds, repeats_for, time_in_place, time_pure, torch_copy_seconds,
-                                       torch_index_select_seconds)
+from ckv_jax.benchmarks.timing import (Timing, measure_copy, measure_in_place, measure_pure, repeats_for,
+                                       torch_copy_timing, torch_index_select_timing)
 from pallas_kernels import _pallas_compat as compat
 from pallas_kernels import cache_writer, paged_gather
 from pallas_kernels.cache_writer import WriterConfig
@@ -49,7 +53,7 @@ SIZES = {"gather_records": (32768, 131072, 524288, 1048576), "gather_dequant": (
          "gather_slots": (2048, 131072, 1048576), "write_records": (8192, 262144, 1048576)}
 
 
-def launch_seconds() -> float:
+def launch_timing() -> Timing:
     """Per-kernel cost of a trivial Pallas Triton kernel inside one program: launch + minimal work."""
     def body(x_ref, o_ref):
         o_ref[...] = x_ref[...] + 1
@@ -57,12 +61,19 @@ def launch_seconds() -> float:
     kernel = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((16,), jnp.int32),
                             compiler_params=compat.triton_compiler_params(1))
     inputs = [(jnp.full((16,), i, jnp.int32),) for i in range(21)]
-    return time_pure(kernel, inputs)
+    return measure_pure(kernel, inputs)
 
 
-def ceiling_seconds(moved: int) -> float:
-    times = [copy_seconds(moved // 2, repeats_for(moved // 2, hi=16)), torch_copy_seconds(moved // 2)]
-    return min(t for t in times if t)
+def _fastest(timings) -> Timing:
+    """The best host-clock and the best device time among `timings` (None entries skipped)."""
+    timings = [t for t in timings if t is not None]
+    device = [t.device_seconds for t in timings if t.device_seconds is not None]
+    return Timing(min(t.seconds for t in timings), min(device) if device else None)
+
+
+def copy_ceiling(moved: int) -> Timing:
+    """The copy ceiling of `moved` bytes (read + written): the faster of an XLA and a torch copy."""
+    return _fastest([measure_copy(moved // 2, repeats_for(moved // 2, hi=16)), torch_copy_timing(moved // 2)])
 
 
 def _record_cache(fmt, num_blocks, rng):
@@ -75,19 +86,27 @@ def _record_cache(fmt, num_blocks, rng):
     return cache
 
 
-def _row(op, fmt, size, impl, config, seconds, moved, ceiling, exact, **extra):
-    return dict(op=op, format=fmt.name, size=size, implementation=impl,
-                config=None if config is None else dict(
-                    (f, getattr(config, f)) for f in config.__dataclass_fields__),
-                us=seconds * 1e6, bytes_moved=moved, gbps=moved / seconds / 1e9, ceiling_gbps=moved / ceiling / 1e9,
-                pct_of_copy=100 * ceiling / seconds, exact=exact, **extra)
+def _row(op, fmt, size, impl, config, timing: Timing, moved, ceiling: Timing, exact, **extra):
+    row = dict(op=op, format=fmt.name, size=size, implementation=impl,
+               config=None if config is None else dict(
+                   (f, getattr(config, f)) for f in config.__dataclass_fields__),
+               us=timing.seconds * 1e6, bytes_moved=moved, gbps=moved / timing.seconds / 1e9,
+               ceiling_gbps=moved / ceiling.seconds / 1e9, pct_of_copy=100 * ceiling.seconds / timing.seconds,
+               exact=exact, **extra)
+    if timing.device_seconds is not None and ceiling.device_seconds is not None:
+        row.update(device_us=timing.device_seconds * 1e6, device_gbps=moved / timing.device_seconds / 1e9,
+                   device_ceiling_gbps=moved / ceiling.device_seconds / 1e9,
+                   device_pct_of_copy=100 * ceiling.device_seconds / timing.device_seconds)
+    return row
 
 
 def _timed(log, results, row):
     results.append(row)
     cfg = "" if row["config"] is None else " ".join(f"{k}={v}" for k, v in row["config"].items())
+    device = (f" | device {row['device_us']:9.1f} us {row['device_pct_of_copy']:5.1f}%" if "device_us" in row
+              else "")
     log(f"  {row['op']:<15} {row['format']:<13} {row['size']:>8} {row['implementation']:<16} {cfg:<44} "
-        f"{row['us']:9.1f} us {row['gbps']:6.0f} GB/s {row['pct_of_copy']:5.1f}% exact={row['exact']}")
+        f"{row['us']:9.1f} us {row['gbps']:6.0f} GB/s {row['pct_of_copy']:5.1f}%{device} exact={row['exact']}")
 
 
 def same_bits(got: np.ndarray, ref: np.ndarray) -> bool:
@@ -107,14 +126,14 @@ def _time_variants(op, fmt, size, variants, inputs, ref, moved, ceiling, log, re
     for impl, cfg, fn in variants:
         got = np.asarray(jax.jit(fn)(*inputs[0]))
         exact = same_bits(got, ref)
-        _timed(log, results, _row(op, fmt, size, impl, cfg, time_pure(fn, inputs), moved, ceiling, exact))
+        _timed(log, results, _row(op, fmt, size, impl, cfg, measure_pure(fn, inputs), moved, ceiling, exact))
 
 
 def _time_torch(op, fmt, size, name, source_np, index_lists, moved, ceiling, log, results):
     """torch `index_select` of the same rows as a baseline, where torch with CUDA is installed."""
-    seconds = torch_index_select_seconds(source_np, index_lists)
-    if seconds:
-        _timed(log, results, _row(op, fmt, size, name, None, seconds, moved, ceiling, True, baseline=True))
+    timing = torch_index_select_timing(source_np, index_lists)
+    if timing:
+        _timed(log, results, _row(op, fmt, size, name, None, timing, moved, ceiling, True, baseline=True))
 
 
 def request_tables(rng, num_blocks, tokens, num_requests):
@@ -164,8 +183,8 @@ def sweep_paged(op, names, log, results, num_requests=1):
                     c, b, u, num_rows=tokens, layout=fmt.layout))]
                 variants += [("pallas_triton", cfg, lambda c, b, u, cfg=cfg: paged_gather.gather_dequant_triton(
                     c, b, u, num_rows=tokens, layout=fmt.layout, config=cfg)) for cfg in configs]
-            ceiling = ceiling_seconds(moved)
-            _time_variants(op, fmt, tokens, variants, inputs, ref, moved, ceiling, log, results)
+            copy = copy_ceiling(moved)
+            _time_variants(op, fmt, tokens, variants, inputs, ref, moved, copy, log, results)
             if op == "gather_records":       # baselines: the same pages whole, no masking or padding
                 words = jax.device_put(cache_np.reshape(nb, -1).view(np.uint32), device)
                 take_inputs = [(words, jnp.asarray(p)) for p in pages]
@@ -174,10 +193,10 @@ def sweep_paged(op, names, log, results, num_requests=1):
                 exact = bool(np.array_equal(got, cache_np[pages[0]].reshape(len(pages[0]), -1)))
                 page_moved = 2 * len(pages[0]) * BLOCK * rb             # = moved for one request
                 _timed(log, results, _row(op, fmt, tokens, "xla_take_pages_u32", None,
-                                          time_pure(take, take_inputs), page_moved, ceiling, exact, baseline=True))
+                                          measure_pure(take, take_inputs), page_moved, copy, exact, baseline=True))
                 del words, take_inputs
                 _time_torch(op, fmt, tokens, "torch_index_select_pages", cache_np.reshape(nb, -1), pages,
-                            page_moved, ceiling, log, results)
+                            page_moved, copy, log, results)
             del cache, inputs
 
 
@@ -194,14 +213,14 @@ def sweep_slots(names, log, results):
             slot_lists = [rng.integers(0, nb * BLOCK, n).astype(np.int32) for _ in range(repeats_for(n * rb))]
             inputs = [(cache, jnp.asarray(s)) for s in slot_lists]
             moved = 2 * n * rb
-            ceiling = ceiling_seconds(moved)
+            copy = copy_ceiling(moved)
             ref = np.asarray(paged_gather.gather_slots_reference(*inputs[0]))
             variants = [("xla", None, paged_gather.gather_slots_reference)]
             variants += [("pallas_triton", cfg, lambda c, s, cfg=cfg: paged_gather.gather_slots_triton(c, s, config=cfg))
                          for cfg in SLOT_CONFIGS]
-            _time_variants("gather_slots", fmt, n, variants, inputs, ref, moved, ceiling, log, results)
+            _time_variants("gather_slots", fmt, n, variants, inputs, ref, moved, copy, log, results)
             _time_torch("gather_slots", fmt, n, "torch_index_select_rows", cache_np.reshape(nb * BLOCK, rb),
-                        slot_lists, moved, ceiling, log, results)
+                        slot_lists, moved, copy, log, results)
             del cache, inputs
 
 
@@ -211,7 +230,7 @@ def sweep_writer(names, log, results):
         for name in names:
             fmt = formats.get(name)
             moved = cache_writer.work_bytes(tokens, fmt.layout)
-            ceiling = ceiling_seconds(moved)
+            copy = copy_ceiling(moved)
             # slots spread over up to 4x the tokens, as a patch; the cache stays below 2 GiB, where
             # every implementation runs (`_registry.triton_supported`)
             nb = min(4 * -(-tokens // BLOCK), (2 ** 31 - 1) // (BLOCK * fmt.record_bytes))
@@ -234,14 +253,15 @@ def sweep_writer(names, log, results):
                     return run(cache, kv_c, k_pe, slots, layout=fmt.layout, config=cfg)
 
                 exact = bool(np.array_equal(np.asarray(jax.jit(op)(empty(), *inputs[0])), ref))
-                seconds, _ = time_in_place(op, empty(), inputs)
-                _timed(log, results, _row("write_records", fmt, tokens, impl, cfg, seconds, moved, ceiling, exact))
+                timing, _ = measure_in_place(op, empty(), inputs)
+                _timed(log, results, _row("write_records", fmt, tokens, impl, cfg, timing, moved, copy, exact))
 
 
 def table_rows(results):
     """Per op and size: implementations by their best time summed over formats, and the winning
-    config of each; row boundaries halfway (geometrically) between the measured sizes.  Paged
-    gathers count with one request (the size's bytes as one pack)."""
+    config of each; row boundaries halfway (geometrically) between the measured sizes.  The time
+    is the device time where every candidate of the size has one, else the host-clock time.
+    Paged gathers count with one request (the size's bytes as one pack)."""
     rows = {}
     results = [r for r in results if r.get("requests", 1) == 1]     # a sweep of several requests adds no rows
     for op in sorted({r["op"] for r in results}):
@@ -251,10 +271,11 @@ def table_rows(results):
         for i, size in enumerate(sizes):
             cands = [r for r in results if r["op"] == op and r["size"] == size and r["exact"]
                      and not r.get("baseline")]
+            metric = "device_us" if all("device_us" in r for r in cands) else "us"
             by_key = {}
             for r in cands:
                 key = (r["implementation"], json.dumps(r["config"], sort_keys=True))
-                by_key.setdefault(key, {})[r["format"]] = r["us"]
+                by_key.setdefault(key, {})[r["format"]] = r[metric]
             nfmt = max(len(v) for v in by_key.values())
             total = {k: sum(v.values()) for k, v in by_key.items() if len(v) == nfmt}
             best_per_impl = {}
@@ -270,8 +291,8 @@ def table_rows(results):
 
 def merge_results(paths) -> list[dict]:
     """The results of several sweeps' JSON files, one row per (op, format, size, requests,
-    implementation, config) with its time averaged over the sweeps that ran it (exact only if
-    exact in all)."""
+    implementation, config) with its times averaged over the sweeps that ran it (the device time
+    over those that measured one; exact only if exact in all)."""
     runs = {}
     for path in paths:
         with open(path) as f:
@@ -283,6 +304,10 @@ def merge_results(paths) -> list[dict]:
     for rows in runs.values():
         row = dict(rows[-1], us=sum(r["us"] for r in rows) / len(rows), exact=all(r["exact"] for r in rows))
         row["gbps"] = row["bytes_moved"] / row["us"] / 1e3
+        device = [r["device_us"] for r in rows if "device_us" in r]
+        if device:
+            row["device_us"] = sum(device) / len(device)
+            row["device_gbps"] = row["bytes_moved"] / row["device_us"] / 1e3
         merged.append(row)
     return merged
 
@@ -325,9 +350,12 @@ def main(argv=None) -> int:
     names = args.formats.split(",")
     log = lambda line: print(line, flush=True)          # noqa: E731
     device = jax.devices()[0]
-    meta = dict(device=device.device_kind, jax=jax.__version__, launch_us=launch_seconds() * 1e6,
+    launch = launch_timing()
+    meta = dict(device=device.device_kind, jax=jax.__version__, launch_us=launch.seconds * 1e6,
+                launch_device_us=None if launch.device_seconds is None else launch.device_seconds * 1e6,
                 command="python -m ckv_jax.benchmarks.tune " + " ".join(argv if argv is not None else sys.argv[1:]))
-    log(f"tuning on {meta['device']} (jax {meta['jax']}); one trivial kernel in a program: {meta['launch_us']:.1f} us")
+    log(f"tuning on {meta['device']} (jax {meta['jax']}); one trivial kernel in a program: {meta['launch_us']:.1f} us"
+        f" (device timeline: {meta['launch_device_us']} us)")
     results = []
     for op in args.ops.split(","):
         if op in ("gather_records", "gather_dequant"):

@@ -134,7 +134,8 @@ def _raw_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, tile, pieces, eviction_po
 
 
 def _dequant_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, tile, layout, eviction_policy):
-    # cache_ref: u8[num_blocks * block_size, R]; out_ref: bf16[num_rows, nope_dim + rope_dim]
+    # cache_ref: u8[num_blocks * block_size, R]; out_ref: bf16[num_rows, nope_dim + rope_dim], for
+    # nvfp4 u32[num_rows, (nope_dim + rope_dim) / 2] (the same bytes as bf16 pairs)
     src, dst, read_ok, write_ok = tile(pl.program_id(0), cu_ref, bt_ref)
     tile_rows = src.shape[0]
     segments = []
@@ -144,10 +145,10 @@ def _dequant_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, tile, layout, evictio
         segments.append(compat.pltriton.load(cache_ref.at[src, cols], mask=mask, other=0,
                                              eviction_policy=eviction_policy))
     if layout.kind == "nvfp4_groups":
-        # out_ref: u32[num_rows, (nope_dim + rope_dim) / 2], bf16 pairs; no nibble interleaving
+        # a byte's two nibbles become one u32 word of two bf16: no interleaving, no float conversion
         seg = dict(zip((s.name for s in layout.segments), segments))
         even, odd = record_codec.decode_nvfp4_pairs(layout, seg["nope_e2m1"], seg["group_scales_e4m3"])
-        outputs = ((record_codec.bf16_pair_words(even, odd), 0),
+        outputs = ((record_codec.exact_bf16_pair_words(even, odd), 0),
                    (record_codec.le_words(seg["rope_bf16"], jnp.uint32), layout.nope_dim // 2))
     else:
         nope, rope = record_codec.decode_segments(layout, segments)
