@@ -24,7 +24,7 @@ import numpy as np
 
 from ckv_jax import formats
 from ckv_jax.benchmarks import gather, writer
-from ckv_jax.benchmarks.timing import copy_seconds, time_in_place, torch_copy_seconds
+from ckv_jax.benchmarks.timing import fastest, measure_copy, measure_in_place, torch_copy_timing
 from pallas_kernels import cache_writer
 
 
@@ -43,7 +43,7 @@ def patch_results(tokens_list, names, chunk, repeats, log):
             fmt = formats.get(name)
             rows = 4 * tokens
             moved = chunk * (2 * fmt.nope_dim + 2 * fmt.rope_dim + 4 + fmt.record_bytes)
-            ceiling = min(filter(None, [copy_seconds(moved // 2, repeats), torch_copy_seconds(moved // 2)]))
+            ceiling = fastest([measure_copy(moved // 2, repeats), torch_copy_timing(moved // 2)])
             key = jax.random.key(tokens)
             inputs = []
             for i in range(repeats):
@@ -65,12 +65,19 @@ def patch_results(tokens_list, names, chunk, repeats, log):
                 if reference is None:
                     reference = np.asarray(cache_writer.write_records_reference(jnp.zeros_like(ws), *inputs[0],
                                                                                 layout=fmt.layout))
-                seconds, _ = time_in_place(op, ws, inputs)
-                results.append(dict(op="patch", format=name, tokens=tokens, chunk=chunk, implementation=impl,
-                                    us=seconds * 1e6, bytes_moved=moved, gbps=moved / seconds / 1e9,
-                                    ceiling_gbps=moved / ceiling / 1e9, pct_of_copy=100 * ceiling / seconds,
-                                    exact=bool(np.array_equal(got, reference))))
-                log(f"  patch {name} rows={rows} chunk={chunk} {impl}: {seconds * 1e6:.1f} us")
+                timing, _ = measure_in_place(op, ws, inputs)
+                seconds = timing.seconds
+                row = dict(op="patch", format=name, tokens=tokens, chunk=chunk, implementation=impl,
+                           us=seconds * 1e6, bytes_moved=moved, gbps=moved / seconds / 1e9,
+                           ceiling_gbps=moved / ceiling.seconds / 1e9, pct_of_copy=100 * ceiling.seconds / seconds,
+                           exact=bool(np.array_equal(got, reference)))
+                device = ""
+                if timing.device_seconds is not None and ceiling.device_seconds is not None:
+                    row.update(device_us=timing.device_seconds * 1e6,
+                               device_pct_of_copy=100 * ceiling.device_seconds / timing.device_seconds)
+                    device = f", device {row['device_us']:.1f} us ({row['device_pct_of_copy']:.1f}% of copy)"
+                results.append(row)
+                log(f"  patch {name} rows={rows} chunk={chunk} {impl}: {seconds * 1e6:.1f} us{device}")
     return results
 
 

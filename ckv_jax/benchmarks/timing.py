@@ -31,6 +31,13 @@ class Timing(NamedTuple):
     device_seconds: float | None     # device timeline span / R; None without a GPU timeline
 
 
+def fastest(timings) -> Timing:
+    """The best host-clock and the best device time among `timings` (None entries skipped)."""
+    timings = [t for t in timings if t is not None]
+    device = [t.device_seconds for t in timings if t.device_seconds is not None]
+    return Timing(min(t.seconds for t in timings), min(device) if device else None)
+
+
 def _wall(fn, *args) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))

@@ -31,7 +31,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from ckv_jax import formats
-from ckv_jax.benchmarks.timing import (Timing, measure_copy, measure_in_place, measure_pure, repeats_for,
+from ckv_jax.benchmarks.timing import (Timing, fastest, measure_copy, measure_in_place, measure_pure, repeats_for,
                                        torch_copy_timing, torch_index_select_timing)
 from pallas_kernels import _pallas_compat as compat
 from pallas_kernels import cache_writer, paged_gather
@@ -64,16 +64,9 @@ def launch_timing() -> Timing:
     return measure_pure(kernel, inputs)
 
 
-def _fastest(timings) -> Timing:
-    """The best host-clock and the best device time among `timings` (None entries skipped)."""
-    timings = [t for t in timings if t is not None]
-    device = [t.device_seconds for t in timings if t.device_seconds is not None]
-    return Timing(min(t.seconds for t in timings), min(device) if device else None)
-
-
 def copy_ceiling(moved: int) -> Timing:
     """The copy ceiling of `moved` bytes (read + written): the faster of an XLA and a torch copy."""
-    return _fastest([measure_copy(moved // 2, repeats_for(moved // 2, hi=16)), torch_copy_timing(moved // 2)])
+    return fastest([measure_copy(moved // 2, repeats_for(moved // 2, hi=16)), torch_copy_timing(moved // 2)])
 
 
 def _record_cache(fmt, num_blocks, rng):
