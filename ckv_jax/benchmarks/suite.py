@@ -71,13 +71,13 @@ def patch_results(tokens_list, names, chunk, repeats, log):
                            us=seconds * 1e6, bytes_moved=moved, gbps=moved / seconds / 1e9,
                            ceiling_gbps=moved / ceiling.seconds / 1e9, pct_of_copy=100 * ceiling.seconds / seconds,
                            exact=bool(np.array_equal(got, reference)))
-                device = ""
+                on_device = ""
                 if timing.device_seconds is not None and ceiling.device_seconds is not None:
                     row.update(device_us=timing.device_seconds * 1e6,
                                device_pct_of_copy=100 * ceiling.device_seconds / timing.device_seconds)
-                    device = f", device {row['device_us']:.1f} us ({row['device_pct_of_copy']:.1f}% of copy)"
+                    on_device = f", device {row['device_us']:.1f} us ({row['device_pct_of_copy']:.1f}% of copy)"
                 results.append(row)
-                log(f"  patch {name} rows={rows} chunk={chunk} {impl}: {seconds * 1e6:.1f} us{device}")
+                log(f"  patch {name} rows={rows} chunk={chunk} {impl}: {seconds * 1e6:.1f} us{on_device}")
     return results
 
 
