@@ -24,47 +24,41 @@ class Choice:
 DEFAULT = Choice(None, {})
 
 # (op, device kind) -> rows (min_bytes, order, {implementation: config fields}), by min_bytes.
-# NVIDIA H200, printed by `python -m ckv_jax.benchmarks.tune --table-from <files>`: the gathers from
-# the four sweeps benchmarks/results/h200_2026-12-03/[1-4]_*/tune.json, the writer from
-# .../6_writer_tune_pair_encode/tune.json (its nvfp4 encode changed after the first four).
+# NVIDIA H200, printed by `python -m ckv_jax.benchmarks.tune --table-from <files>` from the sweeps
+# benchmarks/results/h200_2026-12-03/8_device_timeline_dequant_v3/tune_{gathers,slots_writer,
+# small_packs}.json, ranked by device-timeline time (`ckv_jax.benchmarks.timing`).
 TABLE: dict[tuple[str, str], tuple[tuple[int, tuple[str, ...], dict[str, dict[str, Any]]], ...]] = {
     ('gather_dequant', 'NVIDIA H200'): (
         (0, ('pallas_triton', 'xla'),
          {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 4, 'rows_per_tile': 8}}),
-        (207618048, ('pallas_triton', 'xla'),
-         {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 8, 'rows_per_tile': 16}}),
-        (830472192, ('pallas_triton', 'xla'),
+        (415236096, ('pallas_triton', 'xla'),
          {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 4, 'rows_per_tile': 8}}),
     ),
     ('gather_records', 'NVIDIA H200'): (
         (0, ('pallas_triton', 'pallas_mosaic_gpu', 'xla'),
-         {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 2, 'rows_per_tile': 4}}),
+         {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 4, 'rows_per_tile': 8}}),
         (40038580, ('pallas_triton', 'pallas_mosaic_gpu', 'xla'),
          {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 4, 'rows_per_tile': 8}}),
         (80077161, ('pallas_triton', 'pallas_mosaic_gpu', 'xla'),
-         {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 8, 'rows_per_tile': 32}}),
-        (160154323, ('pallas_triton', 'pallas_mosaic_gpu', 'xla'),
          {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 4, 'rows_per_tile': 8}}),
-        (320308646, ('pallas_triton', 'pallas_mosaic_gpu', 'xla'),
-         {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 4, 'rows_per_tile': 8}}),
-        (640617292, ('pallas_mosaic_gpu', 'pallas_triton', 'xla'),
-         {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 4, 'rows_per_tile': 8}}),
+        (226492416, ('pallas_triton', 'pallas_mosaic_gpu', 'xla'),
+         {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 2, 'rows_per_tile': 4}}),
+        (640617292, ('pallas_triton', 'pallas_mosaic_gpu', 'xla'),
+         {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 2, 'rows_per_tile': 4}}),
     ),
     ('gather_slots', 'NVIDIA H200'): (
         (0, ('pallas_triton', 'xla'),
-         {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 4, 'rows_per_tile': 16}}),
-        (5004822, ('pallas_triton', 'xla'),
-         {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 8, 'rows_per_tile': 32}}),
-        (40038580, ('pallas_triton', 'xla'),
-         {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 4, 'rows_per_tile': 4}}),
+         {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 2, 'rows_per_tile': 4}}),
+        (14155776, ('pallas_triton', 'xla'),
+         {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 2, 'rows_per_tile': 4}}),
         (320308646, ('pallas_triton', 'xla'),
-         {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 8, 'rows_per_tile': 16}}),
+         {'pallas_triton': {'evict_first': False, 'max_piece_bytes': 512, 'num_warps': 2, 'rows_per_tile': 4}}),
     ),
     ('write_records', 'NVIDIA H200'): (
         (0, ('pallas_triton', 'xla'),
          {'pallas_triton': {'num_warps': 4, 'tokens_per_block': 4}}),
         (73589428, ('pallas_triton', 'xla'),
-         {'pallas_triton': {'num_warps': 4, 'tokens_per_block': 8}}),
+         {'pallas_triton': {'num_warps': 2, 'tokens_per_block': 4}}),
         (832569344, ('pallas_triton', 'xla'),
          {'pallas_triton': {'num_warps': 2, 'tokens_per_block': 4}}),
     ),

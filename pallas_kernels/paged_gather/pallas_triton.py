@@ -40,8 +40,8 @@ class GatherConfig:
         tuning.check_power_of_two_fields(self, ("rows_per_tile", "num_warps", "max_piece_bytes"))
 
 
-# The defaults where no tuned row applies (`pallas_kernels.tuning`): the configs that won at the
-# large sizes of the H200 sweeps (BENCHMARKS.md, "Tuning table").
+# The defaults where no tuned row applies (`pallas_kernels.tuning`): configs that won, or came
+# within 1% of the winner, at the large sizes of the H200 sweeps (BENCHMARKS.md, "Tuning table").
 RECORDS_CONFIG = GatherConfig(rows_per_tile=8, num_warps=4)
 DEQUANT_CONFIG = GatherConfig(rows_per_tile=8, num_warps=4)
 SLOTS_CONFIG = GatherConfig(rows_per_tile=16, num_warps=8)
