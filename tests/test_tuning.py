@@ -228,3 +228,17 @@ def test_gpu_span_reads_only_the_gpu_stream_lines():
           event_metadata { key: 1 value { id: 1 name: "host" } } }''')
     assert timing_mod.gpu_span_ns(profile) == 13000 - 1000
     assert timing_mod.gpu_span_ns(ProfileData.from_text_proto('planes { id: 2 name: "/host:CPU" }')) is None
+
+
+def test_sweep_exactness_lets_nan_payloads_differ_in_bf16_only():
+    ref = np.array([1.5, np.nan, -0.0], jnp.bfloat16)
+    quieted = ref.view(np.uint16).copy()
+    quieted[1] = 0x7FC1                          # another NaN payload
+    assert tune.same_bits(quieted.view(jnp.bfloat16), ref)
+    for bad in (0x3FC1, 0x0000):                 # a different number; a number where NaN was
+        wrong = ref.view(np.uint16).copy()
+        wrong[0 if bad == 0x3FC1 else 1] = bad
+        assert not tune.same_bits(wrong.view(jnp.bfloat16), ref)
+    assert not tune.same_bits(np.array([1.5, np.nan, 0.0], jnp.bfloat16), ref)     # +0 where -0 was
+    raw = np.arange(8, dtype=np.uint8)
+    assert tune.same_bits(raw.copy(), raw) and not tune.same_bits(raw[::-1].copy(), raw)
