@@ -69,6 +69,26 @@ def triton_e4m3_bytes(x):
     return jnp.where(jnp.isnan(x), jnp.uint8(0x7F), byts)
 
 
+def triton_e2m1_codes(x):
+    """float32 -> e2m1 codes (uint32 0..15), as `record_codec.e2m1_nibbles` for the values a
+    compiled kernel quantizes: products, which the GPU returns as the positive canonical NaN, so
+    NaN needs no case of its own (its magnitude saturates to 7 like Inf's, its sign bit is
+    clear), and the codes stay 32-bit until the caller packs them (no byte conversions)."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    mag = bits & jnp.uint32(0x7FFFFFFF)
+    lsb = (mag >> 22) & 1
+    from_one = jnp.minimum(((mag + (0x1FFFFF + lsb)) >> 22) - 252, jnp.uint32(7))
+    below_one = lax.bitcast_convert_type(jnp.abs(x) + 4194304.0, jnp.uint32) - jnp.uint32(0x4A800000)
+    code = jnp.where(mag < jnp.uint32(0x3F800000), below_one, from_one)
+    return code | ((bits >> 28) & 8)
+
+
+def triton_abs_max(x):
+    """max |x| over the last axis, NaN ignored, 0 if all NaN: Pallas Triton lowers `max` to
+    `maxnumf` (the hardware's NaN-ignoring FMNMX), so no NaN test per element."""
+    return jnp.maximum(jnp.max(jnp.abs(x), axis=-1), 0.0)
+
+
 @functools.cache
 def cuda_lowering_available(backend: str) -> tuple[bool, str]:
     """Whether a tiny kernel of `backend` ('triton' or 'mosaic_gpu') lowers for CUDA here."""

@@ -232,17 +232,18 @@ def e4m3_values(byts: jnp.ndarray) -> jnp.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class Arithmetic:
-    """The two operations whose float implementations differ between backends.
+    """The operations whose float implementations differ between backends.
 
     `divide(x, y)`: correctly rounded float32 division; `to_e4m3(x)`: float32 -> e4m3fn bytes
-    (RNE, saturated, NaN -> 0x7F).  The defaults are exact on every backend; compiled GPU
-    kernels substitute hardware instructions with the same results.
+    (RNE, saturated, NaN -> 0x7F); `to_e2m1(x)`: float32 -> e2m1 codes 0..15 as any unsigned
+    integer type (RNE, saturated, NaN -> 0x7); `abs_max(x)`: max |x| over the last axis, NaN
+    ignored, 0 for none.  The defaults are exact on every backend; compiled GPU kernels
+    substitute hardware instructions and hardware NaN rules with the same results.
     """
     divide: Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray]
     to_e4m3: Callable[[jnp.ndarray], jnp.ndarray]
-
-
-PORTABLE = Arithmetic(divide=xla_ieee_divide, to_e4m3=e4m3_bytes)
+    to_e2m1: Callable[[jnp.ndarray], jnp.ndarray]
+    abs_max: Callable[[jnp.ndarray], jnp.ndarray]
 
 
 def e2m1_nibbles(x: jnp.ndarray) -> jnp.ndarray:
@@ -264,6 +265,10 @@ def e2m1_nibbles(x: jnp.ndarray) -> jnp.ndarray:
     code = jnp.where(mag < jnp.uint32(0x3F800000), below_one, from_one).astype(jnp.uint8)
     sign = (bits >> 28).astype(jnp.uint8) & 0x8
     return jnp.where(mag > jnp.uint32(0x7F800000), jnp.uint8(0x7), code | sign)
+
+
+PORTABLE = Arithmetic(divide=xla_ieee_divide, to_e4m3=e4m3_bytes, to_e2m1=e2m1_nibbles,
+                      abs_max=_nan_ignoring_amax)
 
 
 # ------------------------------------------------------------------------------------------
@@ -288,7 +293,7 @@ def encode_segments(layout: RecordLayout, kv_c: jnp.ndarray, k_pe: jnp.ndarray,
         return nope, rope
 
     x = kv_c.astype(jnp.float32).reshape(t, layout.num_blocks, layout.quant_block)
-    amax = _nan_ignoring_amax(x)                                      # f32[T, blocks]
+    amax = arith.abs_max(x)                                           # f32[T, blocks]
     if layout.kind == "fp8_tiles":
         scale = jnp.maximum(arith.divide(amax, FP8_MAX), FLT_MIN)       # f32[T, tiles]
         nope = arith.to_e4m3(arith.divide(x, scale[:, :, None])).reshape(t, layout.nope_dim)
@@ -312,13 +317,13 @@ def encode_nvfp4_segments(layout: RecordLayout, even: jnp.ndarray, odd: jnp.ndar
     half_group = layout.quant_block // 2
     even_g = even.reshape(t, layout.num_blocks, half_group)
     odd_g = odd.reshape(t, layout.num_blocks, half_group)
-    amax = jnp.maximum(_nan_ignoring_amax(even_g), _nan_ignoring_amax(odd_g))   # f32[T, groups]
+    amax = jnp.maximum(arith.abs_max(even_g), arith.abs_max(odd_g))   # f32[T, groups]
     scale_bytes = arith.to_e4m3(arith.divide(amax, E2M1_MAX))       # u8[T, groups], finite
     scale = e4m3_values(scale_bytes)
     inv_scale = jnp.where(scale == 0.0, 0.0, arith.divide(1.0, scale))[:, :, None]
-    low = e2m1_nibbles(even_g * inv_scale).reshape(t, layout.nope_dim // 2)
-    high = e2m1_nibbles(odd_g * inv_scale).reshape(t, layout.nope_dim // 2)
-    segments = [low | (high << 4), scale_bytes]
+    low, high = (arith.to_e2m1(x * inv_scale).astype(jnp.uint32).reshape(t, layout.nope_dim // 2)
+                 for x in (even_g, odd_g))
+    segments = [(low | (high << 4)).astype(jnp.uint8), scale_bytes]
     if layout.pad_bytes:
         segments.append(jnp.zeros((t, layout.pad_bytes), jnp.uint8))
     segments.append(rope)

@@ -75,6 +75,8 @@ def _edge_case_kv():
     kv[4, :] = float(finfo.smallest_normal) * (1 + np.arange(512) % 4)  # smallest normals
     kv[5, 7] = np.nan                                     # NaN ignored by amax, encodes as NaN / +6
     kv[5, 300] = -np.nan
+    kv[5, 384:] = np.nan                                  # an all-NaN fp8 tile (8 all-NaN nvfp4 groups)
+    kv[5, 448:] = -np.nan
     kv[6, 200] = np.inf                                   # Inf tile: scale Inf / 448
     kv[6, 400] = -np.inf
     kv[7, ::2] = float(finfo.smallest_subnormal) * 5      # float32 subnormals in every tile
@@ -237,6 +239,12 @@ def test_e2m1_conversion_is_exact_including_ties():
         want = np.clip(x, -6, 6).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
     want = np.where(np.isnan(x), 0x7, want | (np.signbit(x) << 3).astype(np.uint8))
     assert_bytes_equal(jax.jit(e2m1_nibbles)(x), want, "e2m1 codes")
+    # the compiled writer's variant: the same codes for every input but a NaN with its sign bit
+    # set, which a GPU product never is (it returns the positive canonical NaN)
+    from pallas_kernels._pallas_compat import triton_e2m1_codes
+    keep = ~(np.isnan(x) & np.signbit(x))
+    assert_bytes_equal(np.asarray(jax.jit(triton_e2m1_codes)(x[keep])).astype(np.uint8), want[keep],
+                       "e2m1 codes (GPU variant)")
 
 
 def test_nvfp4_pair_decode_is_exact_for_every_code_and_scale():

@@ -23,7 +23,9 @@ from pallas_kernels import record_codec, tuning
 from pallas_kernels.record_codec import RecordLayout
 
 _TRITON_ARITHMETIC = record_codec.Arithmetic(divide=compat.triton_ieee_divide,
-                                             to_e4m3=compat.triton_e4m3_bytes)
+                                             to_e4m3=compat.triton_e4m3_bytes,
+                                             to_e2m1=compat.triton_e2m1_codes,
+                                             abs_max=compat.triton_abs_max)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
