@@ -77,7 +77,9 @@ def triton_e2m1_codes(x):
     bits = lax.bitcast_convert_type(x, jnp.uint32)
     mag = bits & jnp.uint32(0x7FFFFFFF)
     lsb = (mag >> 22) & 1
-    from_one = jnp.minimum(((mag + (0x1FFFFF + lsb)) >> 22) - 252, jnp.uint32(7))
+    # the rounded (exponent field << 1 | first fraction bit) - 252, the -252 folded into the add
+    # before the shift (modulo 2**32): from 1.0 up the true sum is positive, below 1.0 it is unused
+    from_one = jnp.minimum((mag + lsb + jnp.uint32((0x1FFFFF - (252 << 22)) % 2 ** 32)) >> 22, jnp.uint32(7))
     below_one = lax.bitcast_convert_type(jnp.abs(x) + 4194304.0, jnp.uint32) - jnp.uint32(0x4A800000)
     code = jnp.where(mag < jnp.uint32(0x3F800000), below_one, from_one)
     return code | ((bits >> 28) & 8)
