@@ -6,7 +6,9 @@ cache, or rows past T) are masked, so they are never read or written.
 
 The encode is integer-ALU bound for nvfp4 (`ncu`: BENCHMARKS.md, writer notes), so that path
 reads the NoPE as element pairs (one uint32 word per two 2-byte values) and builds each byte's two
-nibbles side by side, instead of interleaving codes through a reshape.
+nibbles side by side, instead of interleaving codes through a reshape; and the compiled kernel
+takes amax and e2m1 codes from `_TRITON_ARITHMETIC`, which relies on the GPU's NaN rules instead
+of testing every element for NaN.
 """
 from __future__ import annotations
 
