@@ -242,3 +242,20 @@ def test_sweep_exactness_lets_nan_payloads_differ_in_bf16_only():
     assert not tune.same_bits(np.array([1.5, np.nan, 0.0], jnp.bfloat16), ref)     # +0 where -0 was
     raw = np.arange(8, dtype=np.uint8)
     assert tune.same_bits(raw.copy(), raw) and not tune.same_bits(raw[::-1].copy(), raw)
+
+
+def test_result_fields_and_report_with_and_without_a_device_time(capsys):
+    from ckv_jax.benchmarks import report
+    moved = 4_000_000_000
+    both = timing_mod.result_fields(timing_mod.Timing(2e-3, 1e-3), moved, timing_mod.Timing(1.6e-3, 0.9e-3))
+    assert both["us"] == pytest.approx(2000) and both["gbps"] == pytest.approx(2000)
+    assert both["pct_of_copy"] == pytest.approx(80) and both["device_pct_of_copy"] == pytest.approx(90)
+    assert both["device_us"] == pytest.approx(1000) and both["device_ceiling_gbps"] == pytest.approx(moved / 0.9e-3 / 1e9)
+    host = timing_mod.result_fields(timing_mod.Timing(2e-3, None), moved, timing_mod.Timing(1.6e-3, 0.9e-3))
+    assert not any(k.startswith("device") for k in host)
+    assert "device 1000.0 us (90.0% of copy)" in report.timing_text(both) and "device" not in report.timing_text(host)
+    rows = [dict(op="x", implementation="a", exact=True, **both), dict(op="x", implementation="b", exact=True, **host)]
+    assert report.finish(rows, [("op", "op", 4)], None) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].split()[6:8] == ["1000.0", "90"] and lines[-1].split()[6:8] == ["-", "-"]
+    assert timing_mod.fastest([None, timing_mod.Timing(3.0, None), timing_mod.Timing(2.0, 5.0)]) == (2.0, 5.0)

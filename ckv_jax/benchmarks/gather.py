@@ -22,7 +22,8 @@ import numpy as np
 
 from ckv_jax import formats
 from ckv_jax.benchmarks import report
-from ckv_jax.benchmarks.timing import copy_seconds, time_pure, torch_copy_seconds, torch_index_select_seconds
+from ckv_jax.benchmarks.timing import (fastest, measure_copy, measure_pure, result_fields, torch_copy_timing,
+                                       torch_index_select_timing)
 from pallas_kernels import paged_gather
 
 BLOCK = 64
@@ -49,8 +50,8 @@ def run(tokens_list, names, repeats=7, log=print):
             inputs = [(cache, jnp.asarray(p[None, :]), jnp.asarray([0, tokens], jnp.int32)) for p in pages]
             raw_bytes = 2 * tokens * rb
             deq_bytes = tokens * (rb + 2 * fmt.value_dim)
-            ceiling_raw = min(filter(None, [copy_seconds(raw_bytes // 2, repeats), torch_copy_seconds(raw_bytes // 2)]))
-            ceiling_deq = min(filter(None, [copy_seconds(deq_bytes // 2, repeats), torch_copy_seconds(deq_bytes // 2)]))
+            ceiling_raw = fastest([measure_copy(raw_bytes // 2, repeats), torch_copy_timing(raw_bytes // 2)])
+            ceiling_deq = fastest([measure_copy(deq_bytes // 2, repeats), torch_copy_timing(deq_bytes // 2)])
             ref_raw = np.asarray(paged_gather.gather_records_reference(*inputs[0], num_rows=tokens))
             ref_deq = np.asarray(paged_gather.gather_dequant_reference(*inputs[0], num_rows=tokens,
                                                                         layout=fmt.layout)).view(np.uint16)
@@ -69,22 +70,17 @@ def run(tokens_list, names, repeats=7, log=print):
             for kind, impl, fn, ref in variants:
                 got = np.asarray(jax.jit(fn)(*inputs[0]))
                 exact = bool(np.array_equal(got.view(ref.dtype), ref))
-                seconds = time_pure(fn, inputs)
                 nbytes, ceiling = (raw_bytes, ceiling_raw) if kind == "raw" else (deq_bytes, ceiling_deq)
-                results.append(dict(op=f"gather_{kind}", format=name, tokens=tokens, implementation=impl,
-                                    us=seconds * 1e6, bytes_moved=nbytes, gbps=nbytes / seconds / 1e9,
-                                    ceiling_gbps=nbytes / ceiling / 1e9, pct_of_copy=100 * ceiling / seconds,
-                                    exact=exact))
-                log(f"  {name:<13} T={tokens:>7} {kind:<8} {impl:<15} {seconds * 1e6:8.1f} us "
-                    f"{nbytes / seconds / 1e9:6.0f} GB/s ({100 * ceiling / seconds:4.0f}% of copy) exact={exact}")
-            t = torch_index_select_seconds(cache_np.reshape(cache_np.shape[0], -1), pages)
+                row = dict(op=f"gather_{kind}", format=name, tokens=tokens, implementation=impl,
+                           bytes_moved=nbytes, exact=exact, **result_fields(measure_pure(fn, inputs), nbytes, ceiling))
+                results.append(row)
+                log(f"  {name:<13} T={tokens:>7} {kind:<8} {impl:<15} {report.timing_text(row)} exact={exact}")
+            t = torch_index_select_timing(cache_np.reshape(cache_np.shape[0], -1), pages)
             if t:
-                results.append(dict(op="gather_raw", format=name, tokens=tokens, implementation="torch_index_select",
-                                    us=t * 1e6, bytes_moved=raw_bytes, gbps=raw_bytes / t / 1e9,
-                                    ceiling_gbps=raw_bytes / ceiling_raw / 1e9, pct_of_copy=100 * ceiling_raw / t,
-                                    exact=True))
-                log(f"  {name:<13} T={tokens:>7} raw      torch_index_sel {t * 1e6:8.1f} us "
-                    f"{raw_bytes / t / 1e9:6.0f} GB/s ({100 * ceiling_raw / t:4.0f}% of copy)")
+                row = dict(op="gather_raw", format=name, tokens=tokens, implementation="torch_index_select",
+                           bytes_moved=raw_bytes, exact=True, **result_fields(t, raw_bytes, ceiling_raw))
+                results.append(row)
+                log(f"  {name:<13} T={tokens:>7} raw      torch_index_sel {report.timing_text(row)}")
             del cache, inputs
     return results
 

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ckv_jax import formats
-from ckv_jax.benchmarks import gather, writer
-from ckv_jax.benchmarks.timing import fastest, measure_copy, measure_in_place, torch_copy_timing
+from ckv_jax.benchmarks import gather, report, writer
+from ckv_jax.benchmarks.timing import fastest, measure_copy, measure_in_place, result_fields, torch_copy_timing
 from pallas_kernels import cache_writer
 
 
@@ -66,18 +66,11 @@ def patch_results(tokens_list, names, chunk, repeats, log):
                     reference = np.asarray(cache_writer.write_records_reference(jnp.zeros_like(ws), *inputs[0],
                                                                                 layout=fmt.layout))
                 timing, _ = measure_in_place(op, ws, inputs)
-                seconds = timing.seconds
                 row = dict(op="patch", format=name, tokens=tokens, chunk=chunk, implementation=impl,
-                           us=seconds * 1e6, bytes_moved=moved, gbps=moved / seconds / 1e9,
-                           ceiling_gbps=moved / ceiling.seconds / 1e9, pct_of_copy=100 * ceiling.seconds / seconds,
-                           exact=bool(np.array_equal(got, reference)))
-                on_device = ""
-                if timing.device_seconds is not None and ceiling.device_seconds is not None:
-                    row.update(device_us=timing.device_seconds * 1e6,
-                               device_pct_of_copy=100 * ceiling.device_seconds / timing.device_seconds)
-                    on_device = f", device {row['device_us']:.1f} us ({row['device_pct_of_copy']:.1f}% of copy)"
+                           bytes_moved=moved, exact=bool(np.array_equal(got, reference)),
+                           **result_fields(timing, moved, ceiling))
                 results.append(row)
-                log(f"  patch {name} rows={rows} chunk={chunk} {impl}: {seconds * 1e6:.1f} us{on_device}")
+                log(f"  patch {name} rows={rows} chunk={chunk} {impl}: {report.timing_text(row)}")
     return results
 
 
@@ -180,8 +173,8 @@ def main(argv=None) -> int:
     _progress(len(ops), len(ops), "done")
     print(file=sys.stderr)
     for r in results:
-        extra = f" {r['gbps']:.0f} GB/s ({r['pct_of_copy']:.0f}% of copy)" if "gbps" in r else ""
+        times = report.timing_text(r) if "gbps" in r else f"{r['us']:.1f} us"
         print(f"{r['op']:<14} {r['format']:<13} {r['tokens']:>8} {r.get('depth', r.get('pattern', '')):<10} "
-              f"{r['implementation']:<19} {r['us']:10.1f} us{extra} exact={r['exact']}")
+              f"{r['implementation']:<19} {times} exact={r['exact']}")
     print(f"wrote {len(results)} results to {args.out}")
     return 0 if all(r["exact"] for r in results) else 1

@@ -38,6 +38,19 @@ def fastest(timings) -> Timing:
     return Timing(min(t.seconds for t in timings), min(device) if device else None)
 
 
+def result_fields(timing: Timing, moved: int, ceiling: Timing) -> dict:
+    """A benchmark row's timing columns for `moved` bytes (read + written): us, gbps,
+    ceiling_gbps, pct_of_copy on the host clock, and their device_* twins where both the timing
+    and the copy ceiling have a device time."""
+    fields = dict(us=timing.seconds * 1e6, gbps=moved / timing.seconds / 1e9,
+                  ceiling_gbps=moved / ceiling.seconds / 1e9, pct_of_copy=100 * ceiling.seconds / timing.seconds)
+    if timing.device_seconds is not None and ceiling.device_seconds is not None:
+        fields.update(device_us=timing.device_seconds * 1e6, device_gbps=moved / timing.device_seconds / 1e9,
+                      device_ceiling_gbps=moved / ceiling.device_seconds / 1e9,
+                      device_pct_of_copy=100 * ceiling.device_seconds / timing.device_seconds)
+    return fields
+
+
 def _wall(fn, *args) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))

@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from ckv_jax import formats
 from ckv_jax.benchmarks.timing import (Timing, fastest, measure_copy, measure_in_place, measure_pure, repeats_for,
-                                       torch_copy_timing, torch_index_select_timing)
+                                       result_fields, torch_copy_timing, torch_index_select_timing)
 from pallas_kernels import _pallas_compat as compat
 from pallas_kernels import cache_writer, paged_gather
 from pallas_kernels.cache_writer import WriterConfig
@@ -80,17 +80,10 @@ def _record_cache(fmt, num_blocks, rng):
 
 
 def _row(op, fmt, size, impl, config, timing: Timing, moved, ceiling: Timing, exact, **extra):
-    row = dict(op=op, format=fmt.name, size=size, implementation=impl,
-               config=None if config is None else dict(
-                   (f, getattr(config, f)) for f in config.__dataclass_fields__),
-               us=timing.seconds * 1e6, bytes_moved=moved, gbps=moved / timing.seconds / 1e9,
-               ceiling_gbps=moved / ceiling.seconds / 1e9, pct_of_copy=100 * ceiling.seconds / timing.seconds,
-               exact=exact, **extra)
-    if timing.device_seconds is not None and ceiling.device_seconds is not None:
-        row.update(device_us=timing.device_seconds * 1e6, device_gbps=moved / timing.device_seconds / 1e9,
-                   device_ceiling_gbps=moved / ceiling.device_seconds / 1e9,
-                   device_pct_of_copy=100 * ceiling.device_seconds / timing.device_seconds)
-    return row
+    return dict(op=op, format=fmt.name, size=size, implementation=impl,
+                config=None if config is None else dict(
+                    (f, getattr(config, f)) for f in config.__dataclass_fields__),
+                bytes_moved=moved, exact=exact, **result_fields(timing, moved, ceiling), **extra)
 
 
 def _timed(log, results, row):

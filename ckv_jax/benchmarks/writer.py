@@ -19,7 +19,7 @@ import numpy as np
 
 from ckv_jax import formats
 from ckv_jax.benchmarks import report
-from ckv_jax.benchmarks.timing import copy_seconds, time_in_place, torch_copy_seconds
+from ckv_jax.benchmarks.timing import fastest, measure_copy, measure_in_place, result_fields, torch_copy_timing
 from pallas_kernels import cache_writer
 
 BLOCK_SIZE = 64
@@ -47,11 +47,11 @@ def run(tokens_list, names, patterns, repeats=5, log=print):
         for name in names:
             fmt = formats.get(name)
             moved = tokens * (2 * fmt.nope_dim + 2 * fmt.rope_dim + 4 + fmt.record_bytes)
-            xla_copy = copy_seconds(moved // 2, max(repeats, min(21, int(4e9 // moved))))
-            torch_copy = torch_copy_seconds(moved // 2)
-            ceiling = min(xla_copy, torch_copy or xla_copy)
-            log(f"  copy of {moved / 1e6:.0f} MB (read + write): XLA {moved / xla_copy / 1e9:.0f} GB/s"
-                + (f", torch {moved / torch_copy / 1e9:.0f} GB/s" if torch_copy else ""))
+            xla_copy = measure_copy(moved // 2, max(repeats, min(21, int(4e9 // moved))))
+            torch_copy = torch_copy_timing(moved // 2)
+            ceiling = fastest([xla_copy, torch_copy])
+            log(f"  copy of {moved / 1e6:.0f} MB (read + write): XLA {moved / xla_copy.seconds / 1e9:.0f} GB/s"
+                + (f", torch {moved / torch_copy.seconds / 1e9:.0f} GB/s" if torch_copy else ""))
             for pattern in patterns:
                 num_blocks, inputs = make_inputs(fmt, tokens, repeats, pattern, jax.random.key(tokens))
                 reference = None
@@ -72,17 +72,14 @@ def run(tokens_list, names, patterns, repeats=5, log=print):
                         reference = np.asarray(cache_writer.write_records_reference(
                             jnp.zeros_like(cache), *inputs[0], layout=fmt.layout))
                     exact = bool(np.array_equal(checked, reference))
-                    seconds, _ = time_in_place(op, cache, inputs)
+                    timing, _ = measure_in_place(op, cache, inputs)
                     row = dict(op="write_records", format=name, tokens=tokens, pattern=pattern,
-                               implementation=impl, us=seconds * 1e6, bytes_moved=moved,
-                               gbps=moved / seconds / 1e9, ceiling_gbps=moved / ceiling / 1e9,
-                               xla_copy_gbps=moved / xla_copy / 1e9,
-                               torch_copy_gbps=moved / torch_copy / 1e9 if torch_copy else None,
-                               pct_of_copy=100 * ceiling / seconds, exact=exact)
+                               implementation=impl, bytes_moved=moved, exact=exact,
+                               xla_copy_gbps=moved / xla_copy.seconds / 1e9,
+                               torch_copy_gbps=moved / torch_copy.seconds / 1e9 if torch_copy else None,
+                               **result_fields(timing, moved, ceiling))
                     results.append(row)
-                    log(f"  {name:<13} T={tokens:>8} {pattern:<10} {impl:<14} {row['us']:9.1f} us "
-                        f"{row['gbps']:7.0f} GB/s  copy {row['ceiling_gbps']:5.0f} GB/s "
-                        f"({row['pct_of_copy']:4.0f}%)  exact={exact}")
+                    log(f"  {name:<13} T={tokens:>8} {pattern:<10} {impl:<14} {report.timing_text(row)}  exact={exact}")
     return results
 
 
