@@ -69,22 +69,6 @@ def triton_e4m3_bytes(x):
     return jnp.where(jnp.isnan(x), jnp.uint8(0x7F), byts)
 
 
-def triton_e2m1_codes(x):
-    """float32 -> e2m1 codes (uint32 0..15), as `record_codec.e2m1_nibbles` for the values a
-    compiled kernel quantizes: products, which the GPU returns as the positive canonical NaN, so
-    NaN needs no case of its own (its magnitude saturates to 7 like Inf's, its sign bit is
-    clear), and the codes stay 32-bit until the caller packs them (no byte conversions)."""
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
-    mag = bits & jnp.uint32(0x7FFFFFFF)
-    lsb = (mag >> 22) & 1
-    # the rounded (exponent field << 1 | first fraction bit) - 252, the -252 folded into the add
-    # before the shift (modulo 2**32): from 1.0 up the true sum is positive, below 1.0 it is unused
-    from_one = jnp.minimum((mag + lsb + jnp.uint32((0x1FFFFF - (252 << 22)) % 2 ** 32)) >> 22, jnp.uint32(7))
-    below_one = lax.bitcast_convert_type(jnp.abs(x) + 4194304.0, jnp.uint32) - jnp.uint32(0x4A800000)
-    code = jnp.where(mag < jnp.uint32(0x3F800000), below_one, from_one)
-    return code | ((bits >> 28) & 8)
-
-
 def triton_abs_max(x):
     """max |x| over the last axis, NaN ignored, 0 if all NaN: Pallas Triton lowers `max` to
     `maxnumf` (the hardware's NaN-ignoring FMNMX), so no NaN test per element."""

@@ -246,25 +246,35 @@ class Arithmetic:
     abs_max: Callable[[jnp.ndarray], jnp.ndarray]
 
 
-def e2m1_nibbles(x: jnp.ndarray) -> jnp.ndarray:
-    """float32 -> float4_e2m1fn codes (uint8 0..15): RNE, saturated to +-6, NaN -> +6 (0x7).
+def e2m1_sign_magnitude_codes(x: jnp.ndarray) -> jnp.ndarray:
+    """float32 -> float4_e2m1fn codes (uint32 0..15): RNE, saturated to +-6; a NaN saturates like
+    an Inf and keeps its sign bit (0x7, or 0xF when the sign bit is set).
 
     Magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} have codes 0..7.  From 1 up the code is the float32
     exponent and first fraction bit, rounded to nearest even on the bits (saturating at 7); below
     1, where e2m1 steps by 0.5, the float adder rounds: 2**22 + |x| is the nearest multiple of 0.5
     (ties to even), so its low significand bits count the half steps.  This takes about half the
     instructions of comparing against the seven midpoints, and gives the same codes for every
-    float32 (checked for all 2**32 bit patterns when it was written).
+    float32 (checked for all 2**32 bit patterns when it was written).  The codes stay 32-bit, so a
+    kernel packs them without byte conversions.  The compiled writer uses it as it is: its inputs
+    are products, which the GPU returns as the positive canonical NaN.
     """
     bits = lax.bitcast_convert_type(x, jnp.uint32)
     mag = bits & jnp.uint32(0x7FFFFFFF)
-    # bit 22 is the first fraction bit; (exponent field << 1 | bit) - 252 is the code of 1.0 .. 6.0
+    # bit 22 is the first fraction bit; (exponent field << 1 | bit) - 252 is the code of 1.0 .. 6.0,
+    # the -252 folded into the add before the shift (modulo 2**32): from 1.0 up the true sum is
+    # positive, below 1.0 it is not selected
     lsb = (mag >> 22) & 1
-    from_one = jnp.minimum(((mag + (0x1FFFFF + lsb)) >> 22) - 252, 7)
-    below_one = lax.bitcast_convert_type(jnp.abs(x) + 4194304.0, jnp.uint32) - 0x4A800000
-    code = jnp.where(mag < jnp.uint32(0x3F800000), below_one, from_one).astype(jnp.uint8)
-    sign = (bits >> 28).astype(jnp.uint8) & 0x8
-    return jnp.where(mag > jnp.uint32(0x7F800000), jnp.uint8(0x7), code | sign)
+    from_one = jnp.minimum((mag + lsb + jnp.uint32((0x1FFFFF - (252 << 22)) % 2 ** 32)) >> 22, jnp.uint32(7))
+    below_one = lax.bitcast_convert_type(jnp.abs(x) + 4194304.0, jnp.uint32) - jnp.uint32(0x4A800000)
+    code = jnp.where(mag < jnp.uint32(0x3F800000), below_one, from_one)
+    return code | ((bits >> 28) & 8)
+
+
+def e2m1_nibbles(x: jnp.ndarray) -> jnp.ndarray:
+    """float32 -> float4_e2m1fn codes (uint8 0..15): RNE, saturated to +-6, NaN -> +6 (0x7)."""
+    nan = (lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0x7FFFFFFF)) > jnp.uint32(0x7F800000)
+    return jnp.where(nan, jnp.uint32(0x7), e2m1_sign_magnitude_codes(x)).astype(jnp.uint8)
 
 
 PORTABLE = Arithmetic(divide=xla_ieee_divide, to_e4m3=e4m3_bytes, to_e2m1=e2m1_nibbles,

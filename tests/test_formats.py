@@ -241,10 +241,11 @@ def test_e2m1_conversion_is_exact_including_ties():
     assert_bytes_equal(jax.jit(e2m1_nibbles)(x), want, "e2m1 codes")
     # the compiled writer's variant: the same codes for every input but a NaN with its sign bit
     # set, which a GPU product never is (it returns the positive canonical NaN)
-    from pallas_kernels._pallas_compat import triton_e2m1_codes
+    from pallas_kernels.record_codec import e2m1_sign_magnitude_codes
     keep = ~(np.isnan(x) & np.signbit(x))
-    assert_bytes_equal(np.asarray(jax.jit(triton_e2m1_codes)(x[keep])).astype(np.uint8), want[keep],
+    assert_bytes_equal(np.asarray(jax.jit(e2m1_sign_magnitude_codes)(x[keep])).astype(np.uint8), want[keep],
                        "e2m1 codes (GPU variant)")
+    assert int(jax.jit(e2m1_sign_magnitude_codes)(np.float32(-np.nan))) == 0xF    # what the GPU never sees
 
 
 def test_nvfp4_pair_decode_is_exact_for_every_code_and_scale():

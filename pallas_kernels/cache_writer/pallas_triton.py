@@ -26,7 +26,8 @@ from pallas_kernels.record_codec import RecordLayout
 
 _TRITON_ARITHMETIC = record_codec.Arithmetic(divide=compat.triton_ieee_divide,
                                              to_e4m3=compat.triton_e4m3_bytes,
-                                             to_e2m1=compat.triton_e2m1_codes,
+                                             # products: a NaN is the GPU's positive canonical NaN
+                                             to_e2m1=record_codec.e2m1_sign_magnitude_codes,
                                              abs_max=compat.triton_abs_max)
 
 
