@@ -95,9 +95,8 @@ def _check_repeats(inputs):
         raise ValueError(f"inputs: expected at least 2 input tuples, got {len(inputs)}")
 
 
-def measure_pure(op: Callable, inputs: Sequence[tuple], trials: int = 7, timeline: bool = True) -> Timing:
-    """Per-call time of `op(*inputs[i])`; all R results are returned, so nothing is elided.
-    `timeline=False` skips the device-timeline run."""
+def measure_pure(op: Callable, inputs: Sequence[tuple], trials: int = 7) -> Timing:
+    """Per-call time of `op(*inputs[i])`; all R results are returned, so nothing is elided."""
     _check_repeats(inputs)
     many = jax.jit(lambda *xs: tuple(op(*x) for x in xs))
     one = jax.jit(lambda x: op(*x))
@@ -105,17 +104,11 @@ def measure_pure(op: Callable, inputs: Sequence[tuple], trials: int = 7, timelin
     jax.block_until_ready(one(inputs[0]))
     t_r = statistics.median(_wall(many, *inputs) for _ in range(trials))
     t_1 = statistics.median(_wall(one, inputs[0]) for _ in range(trials))
-    device = (device_timeline_seconds(lambda: jax.block_until_ready(many(*inputs)), len(inputs))
-              if timeline else None)
+    device = device_timeline_seconds(lambda: jax.block_until_ready(many(*inputs)), len(inputs))
     return Timing((t_r - t_1) / (len(inputs) - 1), device)
 
 
-def time_pure(op: Callable, inputs: Sequence[tuple], trials: int = 7) -> float:
-    """Host-clock seconds per call of `op(*inputs[i])` (`measure_pure` without the timeline)."""
-    return measure_pure(op, inputs, trials, timeline=False).seconds
-
-
-def measure_in_place(op: Callable, state, inputs: Sequence[tuple], trials: int = 5, timeline: bool = True):
+def measure_in_place(op: Callable, state, inputs: Sequence[tuple], trials: int = 5):
     """Per-call time of `state = op(state, *inputs[i])` with `state` donated and chained.
 
     Returns (Timing, final state) so the caller can check the result.
@@ -139,41 +132,27 @@ def measure_in_place(op: Callable, state, inputs: Sequence[tuple], trials: int =
         start = time.perf_counter()
         state = jax.block_until_ready(one(state, inputs[0]))
         t_1s.append(time.perf_counter() - start)
-    device = None
-    if timeline:
-        holder = [state]
 
-        def run():
-            holder[0] = jax.block_until_ready(many(holder[0], *inputs))
+    def run_chained():
+        nonlocal state
+        state = jax.block_until_ready(many(state, *inputs))
 
-        device = device_timeline_seconds(run, len(inputs))
-        state = holder[0]
+    device = device_timeline_seconds(run_chained, len(inputs))
     seconds = (statistics.median(t_rs) - statistics.median(t_1s)) / (len(inputs) - 1)
     return Timing(seconds, device), state
 
 
-def time_in_place(op: Callable, state, inputs: Sequence[tuple], trials: int = 5):
-    """(host-clock seconds per call, final state): `measure_in_place` without the timeline."""
-    timing, state = measure_in_place(op, state, inputs, trials, timeline=False)
-    return timing.seconds, state
-
-
-def measure_copy(nbytes: int, repeats: int, timeline: bool = True) -> Timing:
+def measure_copy(nbytes: int, repeats: int) -> Timing:
     """Per-call time of a contiguous copy of `nbytes` (reads + writes = 2 * nbytes).  The calls
     read disjoint slices of one source, so a copy smaller than L2 does not read from L2."""
     n = nbytes // 4
     src = jax.random.bits(jax.random.key(1), (n * repeats,), jnp.uint32)
     inputs = [(src, jnp.int32(i * n)) for i in range(repeats)]     # the buffer is an argument
-    return measure_pure(lambda s, off: lax.dynamic_slice_in_dim(s, off, n), inputs, timeline=timeline)
-
-
-def copy_seconds(nbytes: int, repeats: int) -> float:
-    """Host-clock seconds per call of `measure_copy`."""
-    return measure_copy(nbytes, repeats, timeline=False).seconds
+    return measure_pure(lambda s, off: lax.dynamic_slice_in_dim(s, off, n), inputs)
 
 
 def repeats_for(output_bytes: int, budget_bytes: int = 6 * 2 ** 30, lo: int = 7, hi: int = 64) -> int:
-    """R for `time_pure`: as many calls as `budget_bytes` of outputs allow, so that R calls of a
+    """R for `measure_pure`: as many calls as `budget_bytes` of outputs allow, so that R calls of a
     short kernel take far longer than the host clock's jitter."""
     return int(min(hi, max(lo, budget_bytes // max(output_bytes, 1))))
 
@@ -233,12 +212,6 @@ def torch_copy_timing(nbytes: int, iters: int = 20) -> Timing | None:
         torch.cuda.empty_cache()
 
 
-def torch_copy_seconds(nbytes: int, iters: int = 20) -> float | None:
-    """CUDA-event seconds per launched call of `torch_copy_timing`."""
-    timing = torch_copy_timing(nbytes, iters)
-    return None if timing is None else timing.seconds
-
-
 def torch_index_select_timing(source_np, index_list, iters: int = 20) -> Timing | None:
     """Per-call time of `torch.index_select(source, 0, index)` rotating over the index arrays
     (torch's own op for the same movement: whole pages, or rows), `_torch_timing`; None without
@@ -261,9 +234,3 @@ def torch_index_select_timing(source_np, index_list, iters: int = 20) -> Timing 
     finally:
         bufs.clear()
         torch.cuda.empty_cache()
-
-
-def torch_index_select_seconds(source_np, index_list, iters: int = 20) -> float | None:
-    """CUDA-event seconds per launched call of `torch_index_select_timing`."""
-    timing = torch_index_select_timing(source_np, index_list, iters)
-    return None if timing is None else timing.seconds
