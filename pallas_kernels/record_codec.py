@@ -123,7 +123,8 @@ class RecordLayout:
 # flushes subnormal operands.  Each changes the last bit of some quotients, and with it the
 # stored scales and quantized bytes.  `xla_ieee_divide` therefore divides the significands with
 # integer long division, which every backend executes exactly.  Compiled Triton kernels pass
-# their own (`Arithmetic`: the `div.rn.f32` instruction).
+# their own (`Arithmetic`: the `div.rn.f32` instruction, and a per-tile reciprocal with an fma
+# correction for the fp8 elements).
 # ------------------------------------------------------------------------------------------
 _QUOTIENT_BITS = 26       # 24 significand bits, a guard bit, and one more for quotients < 1
 
@@ -234,13 +235,17 @@ def e4m3_values(byts: jnp.ndarray) -> jnp.ndarray:
 class Arithmetic:
     """The operations whose float implementations differ between backends.
 
-    `divide(x, y)`: correctly rounded float32 division; `to_e4m3(x)`: float32 -> e4m3fn bytes
-    (RNE, saturated, NaN -> 0x7F); `to_e2m1(x)`: float32 -> e2m1 codes 0..15 as any unsigned
-    integer type (RNE, saturated, NaN -> 0x7); `abs_max(x)`: max |x| over the last axis, NaN
-    ignored, 0 for none.  The defaults are exact on every backend; compiled GPU kernels
-    substitute hardware instructions and hardware NaN rules with the same results.
+    `divide(x, y)`: correctly rounded float32 division; `divide_by_scale(x, scale)`:
+    ``x / scale[..., None]`` for a tile of x and its fp8 scale (``max(amax / 448, FLT_MIN)``
+    or +Inf; x is finite where the scale is), whose e4m3 bytes must equal those of the correctly
+    rounded quotient; `to_e4m3(x)`: float32 -> e4m3fn bytes (RNE, saturated, NaN -> 0x7F);
+    `to_e2m1(x)`: float32 -> e2m1 codes 0..15 as any unsigned integer type (RNE, saturated,
+    NaN -> 0x7); `abs_max(x)`: max |x| over the last axis, NaN ignored, 0 for none.  The
+    defaults are exact on every backend; compiled GPU kernels substitute hardware instructions
+    and hardware NaN rules with the same results.
     """
     divide: Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray]
+    divide_by_scale: Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray]
     to_e4m3: Callable[[jnp.ndarray], jnp.ndarray]
     to_e2m1: Callable[[jnp.ndarray], jnp.ndarray]
     abs_max: Callable[[jnp.ndarray], jnp.ndarray]
@@ -256,8 +261,10 @@ def e2m1_sign_magnitude_codes(x: jnp.ndarray) -> jnp.ndarray:
     (ties to even), so its low significand bits count the half steps.  This takes about half the
     instructions of comparing against the seven midpoints, and gives the same codes for every
     float32 (checked for all 2**32 bit patterns when it was written).  The codes stay 32-bit, so a
-    kernel packs them without byte conversions.  The compiled writer uses it as it is: its inputs
-    are products, which the GPU returns as the positive canonical NaN.
+    kernel packs them without byte conversions.  The compiled writer computes the same codes with
+    fewer integer instructions (`_pallas_compat.triton_e2m1_codes`); its inputs are products,
+    which the GPU returns as the positive canonical NaN, so the sign-keeping NaN rule is never
+    seen there.
     """
     bits = lax.bitcast_convert_type(x, jnp.uint32)
     mag = bits & jnp.uint32(0x7FFFFFFF)
@@ -277,8 +284,12 @@ def e2m1_nibbles(x: jnp.ndarray) -> jnp.ndarray:
     return jnp.where(nan, jnp.uint32(0x7), e2m1_sign_magnitude_codes(x)).astype(jnp.uint8)
 
 
-PORTABLE = Arithmetic(divide=xla_ieee_divide, to_e4m3=e4m3_bytes, to_e2m1=e2m1_nibbles,
-                      abs_max=_nan_ignoring_amax)
+def _divide_by_scale(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
+    return xla_ieee_divide(x, scale[..., None])
+
+
+PORTABLE = Arithmetic(divide=xla_ieee_divide, divide_by_scale=_divide_by_scale, to_e4m3=e4m3_bytes,
+                      to_e2m1=e2m1_nibbles, abs_max=_nan_ignoring_amax)
 
 
 # ------------------------------------------------------------------------------------------
@@ -306,7 +317,7 @@ def encode_segments(layout: RecordLayout, kv_c: jnp.ndarray, k_pe: jnp.ndarray,
     amax = arith.abs_max(x)                                           # f32[T, blocks]
     if layout.kind == "fp8_tiles":
         scale = jnp.maximum(arith.divide(amax, FP8_MAX), FLT_MIN)       # f32[T, tiles]
-        nope = arith.to_e4m3(arith.divide(x, scale[:, :, None])).reshape(t, layout.nope_dim)
+        nope = arith.to_e4m3(arith.divide_by_scale(x, scale)).reshape(t, layout.nope_dim)
         scales = _little_endian_bytes(lax.bitcast_convert_type(scale, jnp.uint32), 4)
         return nope, scales, rope
 

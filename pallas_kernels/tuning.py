@@ -26,7 +26,8 @@ DEFAULT = Choice(None, {})
 # (op, device kind) -> rows (min_bytes, order, {implementation: config fields}), by min_bytes.
 # NVIDIA H200, printed by `python -m ckv_jax.benchmarks.tune --table-from <files>` from the sweeps
 # benchmarks/results/h200_2026-12-03/8_device_timeline_dequant_v3/tune_{gathers,slots_writer,
-# small_packs}.json, ranked by device-timeline time (`ckv_jax.benchmarks.timing`).
+# small_packs}.json (gathers) and .../10_fp8_tile_division_e2m1_split/tune_writer_call3.json
+# (writer), ranked by device-timeline time (`ckv_jax.benchmarks.timing`).
 TABLE: dict[tuple[str, str], tuple[tuple[int, tuple[str, ...], dict[str, dict[str, Any]]], ...]] = {
     ('gather_dequant', 'NVIDIA H200'): (
         (0, ('pallas_triton', 'xla'),
@@ -57,7 +58,9 @@ TABLE: dict[tuple[str, str], tuple[tuple[int, tuple[str, ...], dict[str, dict[st
     ('write_records', 'NVIDIA H200'): (
         (0, ('pallas_triton', 'xla'),
          {'pallas_triton': {'num_warps': 4, 'tokens_per_block': 4}}),
-        (73589428, ('pallas_triton', 'xla'),
+        (52035584, ('pallas_triton', 'xla'),
+         {'pallas_triton': {'num_warps': 4, 'tokens_per_block': 8}}),
+        (294357714, ('pallas_triton', 'xla'),
          {'pallas_triton': {'num_warps': 2, 'tokens_per_block': 4}}),
         (832569344, ('pallas_triton', 'xla'),
          {'pallas_triton': {'num_warps': 2, 'tokens_per_block': 4}}),

@@ -59,6 +59,32 @@ def nvfp4_every_code_and_scale():
     return records
 
 
+def fp8_division_tiles(rng, tiles=4096):
+    """(x: f32[tiles, 128], scale: f32[tiles]): fp8 tiles whose quotients x / scale are hard to
+    round.  Scales are those of tile maxima with exponents -149..127 (FLT_MIN clamps and scales
+    below 2**-92 included) and +Inf; each tile's x lie within 3 ulps of scale * v for e4m3 values
+    and midpoints v (and the 448 boundary), with random signs, plus random x in the tile, zeros of
+    both signs and, in Inf tiles, +-Inf and NaN."""
+    grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    grid = np.unique(np.abs(grid[np.isfinite(grid)]))
+    targets = np.concatenate([grid, (grid[:-1] + grid[1:]) / 2, [448.0, 2.0 ** -10]]).astype(np.float32)
+    amax = (rng.uniform(1, 2, tiles) * 2.0 ** rng.integers(-149, 128, tiles)).astype(np.float32)
+    amax = np.where(np.isfinite(amax) & (amax > 0), amax, np.float32(1.0))
+    with np.errstate(under="ignore"):
+        scale = np.maximum((amax.astype(np.float64) / 448).astype(np.float32), np.finfo(np.float32).tiny)
+    scale[:16] = np.inf
+    v = rng.choice(targets, (tiles, 128))
+    with np.errstate(invalid="ignore", over="ignore"):        # Inf tiles: replaced below
+        x = (scale[:, None].astype(np.float64) * v).astype(np.float32)
+    x = (x.view(np.int32) + rng.integers(-3, 4, x.shape, dtype=np.int32)).view(np.float32)
+    x[:, 96:] = (amax[:, None] * rng.uniform(-1, 1, (tiles, 32))).astype(np.float32)
+    x = np.where(np.abs(x) <= amax[:, None], x, amax[:, None])    # x stays within its tile's amax
+    x *= rng.choice(np.float32([-1, 1]), x.shape)
+    x[:, :2] = [0.0, -0.0]
+    x[:16, 2:6] = [np.inf, -np.inf, np.nan, 1.0]
+    return x, scale
+
+
 HERE = os.path.dirname(__file__)
 
 

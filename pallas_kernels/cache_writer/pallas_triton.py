@@ -4,11 +4,12 @@ One program encodes `tokens_per_block` tokens and stores each record segment (a 
 byte range) with one masked scatter into the aliased cache.  Invalid slots (negative, past the
 cache, or rows past T) are masked, so they are never read or written.
 
-The encode is integer-ALU bound for nvfp4 (`ncu`: BENCHMARKS.md, writer notes), so that path
-reads the NoPE as element pairs (one uint32 word per two 2-byte values) and builds each byte's two
-nibbles side by side, instead of interleaving codes through a reshape; and the compiled kernel
-takes amax and e2m1 codes from `_TRITON_ARITHMETIC`, which relies on the GPU's NaN rules instead
-of testing every element for NaN.
+The encode was bound by the integer-ALU pipe (`ncu`: BENCHMARKS.md, writer notes), so the nvfp4
+path reads the NoPE as element pairs (one uint32 word per two 2-byte values) and builds each
+byte's two nibbles side by side, instead of interleaving codes through a reshape; and the
+compiled kernel takes its arithmetic from `_TRITON_ARITHMETIC`: e2m1 codes mostly on the FMA pipe,
+one reciprocal per fp8 tile instead of a division per element, and the GPU's NaN rules instead
+of a NaN test per element.
 """
 from __future__ import annotations
 
@@ -25,16 +26,18 @@ from pallas_kernels import record_codec, tuning
 from pallas_kernels.record_codec import RecordLayout
 
 _TRITON_ARITHMETIC = record_codec.Arithmetic(divide=compat.triton_ieee_divide,
+                                             divide_by_scale=compat.triton_divide_by_scale,
                                              to_e4m3=compat.triton_e4m3_bytes,
                                              # products: a NaN is the GPU's positive canonical NaN
-                                             to_e2m1=record_codec.e2m1_sign_magnitude_codes,
+                                             to_e2m1=compat.triton_e2m1_codes,
                                              abs_max=compat.triton_abs_max)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WriterConfig:
     # default, where no tuned row applies: summed over both quantized formats at 8K, 256K and 1M
-    # tokens, within 1% of the fastest config in the H200 sweep of BENCHMARKS.md ("Tuning table")
+    # tokens, within 1% of the fastest config (4/2) in the H200 writer sweep of BENCHMARKS.md
+    # (fifth session)
     tokens_per_block: int = 8
     num_warps: int = 4
 
