@@ -44,21 +44,26 @@ def on_gpu(device: jax.Device | None = None) -> bool:
     return device.platform == "gpu"
 
 
+def _b32_inline_asm(asm: str, *args):
+    """One elementwise PTX `asm` over float32 `args` (broadcast together): its operands travel as
+    b32 registers ($1, $2, ...), so the asm needs no float constraint letters; its result $0 comes
+    back as int32 bits (int32, not uint32: Triton asm takes signless integers)."""
+    args = jnp.broadcast_arrays(*(jnp.asarray(a, jnp.float32) for a in args))
+    (out,) = pltriton.elementwise_inline_asm(
+        asm, args=[lax.bitcast_convert_type(a, jnp.int32) for a in args],
+        constraints=",".join(["=r"] + ["r"] * len(args)), pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.int32)])
+    return out
+
+
 # Correctly rounded float32 division in compiled Triton kernels.  Triton lowers `/` on f32 to
-# `div.full.f32` (up to 2 ulp off), which changes quantized bytes; `div.rn.f32` is IEEE.  The
-# operands travel as b32 registers so the asm needs no float constraint letters.
+# `div.full.f32` (up to 2 ulp off), which changes quantized bytes; `div.rn.f32` is IEEE.
 _DIV_RN_F32_ASM = ("{ .reg .f32 a, b, q; mov.b32 a, $1; mov.b32 b, $2; "
                    "div.rn.f32 q, a, b; mov.b32 $0, q; }")
 
 
 def triton_ieee_divide(x, y):
-    x, y = jnp.broadcast_arrays(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
-    (q,) = pltriton.elementwise_inline_asm(
-        _DIV_RN_F32_ASM,
-        args=[lax.bitcast_convert_type(x, jnp.int32), lax.bitcast_convert_type(y, jnp.int32)],
-        constraints="=r,r,r", pack=1,     # int32, not uint32: Triton asm takes signless integers
-        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.int32)])
-    return lax.bitcast_convert_type(q, jnp.float32)
+    return lax.bitcast_convert_type(_b32_inline_asm(_DIV_RN_F32_ASM, x, y), jnp.float32)
 
 
 # x / s for a whole tile from one reciprocal r = 1/s (correctly rounded, once per tile), with
@@ -86,11 +91,7 @@ def triton_divide_by_scale(x, scale):
     reciprocal = triton_ieee_divide(1.0, scaled)           # 0 for an Inf scale
     # an Inf scale: s = 0 makes the residual -x and the quotient x * 0 (+-0, or NaN for NaN x)
     scaled = jnp.where(scaled == jnp.inf, 0.0, scaled)
-    args = [lax.bitcast_convert_type(a, jnp.int32)
-            for a in jnp.broadcast_arrays(x, *(v[..., None] for v in (k, scaled, reciprocal)))]
-    (q,) = pltriton.elementwise_inline_asm(
-        _DIV_BY_RECIPROCAL_ASM, args=args, constraints="=r,r,r,r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.int32)])
+    q = _b32_inline_asm(_DIV_BY_RECIPROCAL_ASM, x, *(v[..., None] for v in (k, scaled, reciprocal)))
     return lax.bitcast_convert_type(q, jnp.float32)
 
 
@@ -113,10 +114,7 @@ _E2M1_CODE_ASM = ("{ .reg .f32 y, a, c, d, h, l; .reg .b32 yb, hb, lb, s; .reg .
 def triton_e2m1_codes(y):
     """float32 -> e2m1 codes (int32 0..15), as `record_codec.e2m1_sign_magnitude_codes`: RNE,
     saturated to +-6, a NaN saturates and keeps its sign bit."""
-    (codes,) = pltriton.elementwise_inline_asm(
-        _E2M1_CODE_ASM, args=[lax.bitcast_convert_type(jnp.asarray(y, jnp.float32), jnp.int32)],
-        constraints="=r,r", pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(jnp.shape(y), jnp.int32)])
-    return codes
+    return _b32_inline_asm(_E2M1_CODE_ASM, y)
 
 
 def triton_e4m3_bytes(x):

@@ -341,8 +341,9 @@ def main(argv=None) -> int:
     meta = dict(device=device.device_kind, jax=jax.__version__, launch_us=launch.seconds * 1e6,
                 launch_device_us=None if launch.device_seconds is None else launch.device_seconds * 1e6,
                 command="python -m ckv_jax.benchmarks.tune " + " ".join(argv if argv is not None else sys.argv[1:]))
+    device_launch = "-" if meta["launch_device_us"] is None else f"{meta['launch_device_us']:.2f}"
     log(f"tuning on {meta['device']} (jax {meta['jax']}); one trivial kernel in a program: {meta['launch_us']:.1f} us"
-        f" (device timeline: {meta['launch_device_us']} us)")
+        f" (device timeline: {device_launch} us)")
     results = []
     for op in args.ops.split(","):
         if op in ("gather_records", "gather_dequant"):
