@@ -59,28 +59,39 @@ def check_block_table(plan: StepPlan, block_table, num_blocks: int | None = None
                                  f"expected a block id in [0, {num_blocks})")
 
 
-def pack_local(cache, block_table, local_cu_seq_lens, *, num_rows: int,
-               implementation: str | Sequence[str] | None = None, interpret: bool = False):
+def pack_local(cache, block_table, local_cu_seq_lens, *, num_rows: int, out=None,
+               implementation: str | Sequence[str] | None = None, interpret: bool = False, tiles=None):
     """One rank's packed history: u8[num_rows, R] from its cache u8[num_blocks, block_size, R].
 
     local_cu_seq_lens: i32[R + 1] this rank's cumulative local lengths.
+    out: optional u8[M >= num_rows, R] written in place (rows [0, num_rows)); see `gather_records`.
+    tiles: the Pallas Triton pack's tile config (None: the tuned one).
     """
-    return paged_gather.gather_records(cache, block_table, local_cu_seq_lens, num_rows=num_rows,
-                                       implementation=implementation, interpret=interpret)
+    return paged_gather.gather_records(cache, block_table, local_cu_seq_lens, num_rows=num_rows, out=out,
+                                       implementation=implementation, interpret=interpret, config=tiles)
 
 
-def gather_workspace_in_shard_map(cache, block_table, rank_local_cu, *, num_rows: int,
-                                  axis_name: str = DCP_AXIS, implementation=None, interpret=False):
+def gather_workspace_in_shard_map(cache, block_table, rank_local_cu, *, num_rows: int, out=None,
+                                  axis_name: str = DCP_AXIS, implementation=None, interpret=False, tiles=None):
     """Inside a shard_map over `axis_name`: this rank's cache -> the rank-major u8[D * P, R].
 
     rank_local_cu: i32[D, R + 1] (the plan's local_cu_seq_lens, replicated).
+    out: optional u8[M >= D * P, R] (a ring slot, donated by the caller) that receives the
+    workspace in its rows [0, D * P).  With D = 1 the pack writes straight into it.  With D > 1
+    the all-gather's result is copied into it once: XLA's all-gather writes a buffer of its own
+    and cannot target a slice of another one.
     """
+    world_size = rank_local_cu.shape[0]
     if num_rows == 0:        # no history on any rank: XLA rejects a zero-size all-gather
-        return jnp.zeros((0, cache.shape[2]), cache.dtype)
+        empty = jnp.zeros((0, cache.shape[2]), cache.dtype)
+        return empty if out is None else out
     rank = lax.axis_index(axis_name)
-    local = pack_local(cache, block_table, rank_local_cu[rank], num_rows=num_rows,
-                       implementation=implementation, interpret=interpret)
-    return lax.all_gather(local, axis_name, axis=0, tiled=True)
+    pack = functools.partial(pack_local, cache, block_table, rank_local_cu[rank], num_rows=num_rows,
+                             implementation=implementation, interpret=interpret, tiles=tiles)
+    if world_size == 1:      # the all-gather of one rank is the identity: no collective, no copy
+        return pack(out=out)
+    workspace = lax.all_gather(pack(), axis_name, axis=0, tiled=True)
+    return workspace if out is None else lax.dynamic_update_slice(out, workspace, (0, 0))
 
 
 def all_gather_ckv(caches, block_table, plan: StepPlan, *, mesh: jax.sharding.Mesh,

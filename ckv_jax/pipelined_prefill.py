@@ -140,21 +140,21 @@ def _loop(x, caches, params, table, local_cu, slots, rows, indices, counts, *, l
         return cache_writer.write_records(cache, kv_c, k_pe, dest, layout=layout,
                                           implementation=implementation, interpret=interpret)
 
-    ring = None
-    if depth:
-        record_bytes = caches[0].shape[2]
-        ring = jnp.zeros((ring_slots, local_cu.shape[0] * num_rows, record_bytes), jnp.uint8)
-        for target in range(min(depth, num_layers)):             # the first N layers, before any compute
-            ring = ring.at[target % ring_slots].set(gather(caches[target]))
+    # the ring is the gathered workspaces themselves: each gather writes a buffer of its own and
+    # the patch updates it in place, so no workspace is ever copied into a stacked ring
+    ring = [None] * ring_slots
+    for target in range(min(depth, num_layers)):                 # the first N layers, before any compute
+        ring[target % ring_slots] = gather(caches[target])
     used = []
     for l in range(num_layers):
         if depth and l + depth < num_layers:                     # issued ahead of layer l's compute
-            ring = ring.at[(l + depth) % ring_slots].set(gather(caches[l + depth]))
+            ring[(l + depth) % ring_slots] = gather(caches[l + depth])
         q, kv_c, k_pe = layer.project(params[l], x)
         caches[l] = write(caches[l], kv_c, k_pe, slots[rank])
         if depth:
-            n, record_bytes = ring.shape[1:]
-            workspace = write(ring[l % ring_slots].reshape(n, 1, record_bytes), kv_c, k_pe, rows).reshape(n, record_bytes)
+            prefetched, ring[l % ring_slots] = ring[l % ring_slots], None
+            n, record_bytes = prefetched.shape
+            workspace = write(prefetched.reshape(n, 1, record_bytes), kv_c, k_pe, rows).reshape(n, record_bytes)
         else:
             workspace = gather(caches[l])                        # synchronous: after this layer's write
         if return_workspaces:

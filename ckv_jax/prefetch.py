@@ -27,16 +27,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Hashable
+from typing import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from ckv_jax import formats, full_ckv, validation
 from ckv_jax.dcp_layout import DcpLayout
 from ckv_jax.prefetch_config import GatherConfig, MemoryPlan, memory_plan
 from ckv_jax.step_plan import StepPlan
 from pallas_kernels import cache_writer
+from pallas_kernels.paged_gather import GatherConfig as GatherTiles
 
 log = logging.getLogger("ckv_jax.prefetch")
 LOOKAHEAD_FORMATS = ("fp8_ds_mla", "nvfp4_ds_mla")
@@ -45,6 +47,18 @@ LOOKAHEAD_FORMATS = ("fp8_ds_mla", "nvfp4_ds_mla")
 def supports_lookahead(format) -> bool:
     """Quantized native records can be prefetched; bf16 gathers synchronously (as upstream)."""
     return formats.get(format).name in LOOKAHEAD_FORMATS
+
+
+def prefetch_tiles(device: jax.Device, programs: int | None = None) -> GatherTiles:
+    """The pack config of a prefetch (a gather issued ahead, which runs beside the caller's
+    compute): `programs` persistent programs, by default one per SM, each moving 64-record
+    tiles (42 KB per tile at 656 B, so that about one program per SM keeps enough loads in
+    flight).  The grid is resident at once, so no queue of gather programs sits ahead of the
+    kernels another stream launches meanwhile: those start as soon as they fit beside it,
+    instead of after the last gather program was scheduled."""
+    if programs is None:
+        programs = getattr(device, "core_count", 0) or 4
+    return GatherTiles(rows_per_tile=64, num_warps=8, programs=programs)
 
 
 def target_layers(layer: int, depth: int, registered, pending) -> list[int]:
@@ -63,19 +77,31 @@ def target_layers(layer: int, depth: int, registered, pending) -> list[int]:
 
 
 class WorkspacePool:
-    """`lanes` rings of `slots` gathered slots u8[D * C, R], allocated once, replicated on the mesh."""
+    """`lanes` rings of `slots` gathered slots u8[D * C, R], allocated once, replicated on the mesh.
 
-    def __init__(self, mesh: jax.sharding.Mesh, plan: MemoryPlan, world_size: int, record_bytes: int):
+    allocate(rows, record_bytes) -> a replicated u8[rows, record_bytes] array: where the slots'
+    memory comes from (default: JAX's allocator).  A caller that allocates them elsewhere (the
+    torch bridge: torch's memory, imported once) overrides `check_writable`, which is called
+    before a gather overwrites a slot.
+    """
+
+    def __init__(self, mesh: jax.sharding.Mesh, plan: MemoryPlan, world_size: int, record_bytes: int,
+                 allocate: Callable[[int, int], jax.Array] | None = None):
         if plan.lanes <= 0 or plan.slots <= 0:
             raise ValueError(f"plan: expected positive lanes and slots, got {plan.lanes}, {plan.slots}")
         self.plan = plan
         rows = world_size * plan.capacity
-        # one fresh buffer per slot: slots are donated one at a time, so they must not share storage
-        self._rings = [full_ckv.replicated(mesh, *(jnp.zeros((rows, record_bytes), jnp.uint8)
-                                                   for _ in range(plan.slots)))
-                       for _ in range(plan.lanes)]
+        if allocate is None:
+            def allocate(n, r):
+                return full_ckv.replicated(mesh, jnp.zeros((n, r), jnp.uint8))[0]
+        # one buffer per slot: slots are donated one at a time, so they must not share storage
+        self._rings = [[allocate(rows, record_bytes) for _ in range(plan.slots)] for _ in range(plan.lanes)]
         self._free = list(range(plan.lanes - 1, -1, -1))          # LIFO
         self._leased: set[int] = set()
+
+    def check_writable(self, lane: int, index: int):
+        """Raise if slot `index` of `lane` must not be overwritten now.  JAX-owned slots need no
+        check before: a slot still referenced cannot be donated (`_check_reused` after)."""
 
     def acquire(self) -> int:
         if not self._free:
@@ -111,7 +137,9 @@ class PrefetchOrchestrator:
 
     def __init__(self, mesh: jax.sharding.Mesh, layout: DcpLayout, format: str, *, max_num_seqs: int,
                  config: GatherConfig = GatherConfig(), ubatches: int = 1, speculative: bool = False,
-                 axis_name: str = full_ckv.DCP_AXIS, implementation=None, interpret: bool = False):
+                 axis_name: str = full_ckv.DCP_AXIS, implementation=None, interpret: bool = False,
+                 pool_type: type[WorkspacePool] = WorkspacePool, pool_args: dict | None = None,
+                 prefetch_programs: int | None = None):
         self.fmt = formats.get(format)
         self.layout = layout
         self.mesh = mesh
@@ -122,7 +150,10 @@ class PrefetchOrchestrator:
         self.depth = self.memory.depth if supports_lookahead(self.fmt) else 0
         if self.memory.depth and not self.depth:
             log.debug("format %s has no lookahead; gathering synchronously", self.fmt.name)
-        self.pool = WorkspacePool(mesh, self.memory, layout.world_size, self.fmt.record_bytes)
+        self.pool = pool_type(mesh, self.memory, layout.world_size, self.fmt.record_bytes, **(pool_args or {}))
+        # prefetches pack with a bounded grid (0: the same grid as a synchronous gather)
+        self.prefetch_tiles = None if prefetch_programs == 0 else prefetch_tiles(mesh.devices.flat[0],
+                                                                                   prefetch_programs)
         self._slot_bytes = layout.world_size * self.memory.capacity * self.fmt.record_bytes
         self._patch_run = None
         self.implementation = implementation
@@ -162,6 +193,12 @@ class PrefetchOrchestrator:
             raise ValueError(f"CKV gather buffer index {index} is outside [0, {self.slots})")
         return self.pool.ring(self.lane(key).lane)[index]
 
+    def is_pending(self, layer: int | None, key: Hashable = "target") -> bool:
+        """Whether `layer` was prefetched in this step (its gather will patch the chunk in)."""
+        state = self._lanes.get(key)
+        return layer is not None and state is not None and layer in state.pending and \
+            (state.last_layer is None or layer > state.last_layer)
+
     def in_flight(self) -> list:
         """The ring slots that prefetches of this step are writing and nobody has consumed yet
         (the torch bridge makes torch's stream wait for them before it frees their inputs)."""
@@ -199,18 +236,21 @@ class PrefetchOrchestrator:
             state.pending.clear()
         state.last_layer = layer
 
-    def gather(self, layer: int | None, cache, kv_c, k_pe, *, key: Hashable = "target", after=None):
+    def gather(self, layer: int | None, cache, kv_c, k_pe, *, key: Hashable = "target", after=None,
+               ready: Callable[[jax.Array], None] | None = None):
         """The gathered workspace u8[D * C, R] of `layer` for this step, current chunk included.
 
         cache: this layer's u8[D * num_blocks, block_size, R] (sharded) after the layer wrote its
         chunk; kv_c / k_pe: the chunk (patched into a prefetched slot).  layer None: no lookahead.
         The returned array is the ring slot itself: it stays valid until the slot is reused
         (depth + 1 layers later, or the next step), when it is donated to the next gather and
-        JAX raises on any further use of it.
+        JAX raises on any further use of it.  Every gather writes its rows straight into its slot.
         after: an array every computation dispatched by this call takes as an (unused) input, so it
-        runs only once `after` is ready: the torch bridge passes a fresh import from torch's current
-        stream, which orders the gathers after torch's cache writes and a reused slot's overwrite
-        after torch's reads of it.
+        runs only once `after` is ready (the torch bridge's DLPack path passes a fresh import from
+        torch's current stream).
+        ready: called with the workspace once its own computations (gather or patch) are
+        dispatched and before any prefetch of a later layer is: a consumer on another stream
+        hooks its wait here, so that the wait does not cover the prefetches.
         """
         plan = self._plan
         if plan is None:
@@ -220,6 +260,8 @@ class PrefetchOrchestrator:
         state = self.lane(key)
         if layer is None:                      # no layer index: no lookahead for this call
             ws = self._gather_into(state, 0, cache, after)
+            if ready is not None:
+                ready(ws)
             self.decisions.append((key, None, "sync", ()))
             return ws
         self.enter_layer(layer, key)
@@ -239,21 +281,24 @@ class PrefetchOrchestrator:
             ws, how = ring[index], "prefetched"
         else:
             ws, how = self._gather_into(state, layer % self.slots, cache, after), "sync"
+        if ready is not None:
+            ready(ws)
         targets = target_layers(layer, self.depth, state.registered(), state.pending)
         for t in targets:
-            self._gather_into(state, t % self.slots, state.caches[t], after)
+            self._gather_into(state, t % self.slots, state.caches[t], after, self.prefetch_tiles)
             state.pending[t] = t % self.slots
         self.decisions.append((key, layer, how, tuple(targets)))
         return ws
 
-    def _gather_into(self, state: LaneState, index: int, cache, after):
+    def _gather_into(self, state: LaneState, index: int, cache, after, tiles=None):
         ring = self.pool.ring(state.lane)
         validation.check_cache(self.fmt, cache)             # the table was checked at begin_step
+        self.pool.check_writable(state.lane, index)
         slot = ring[index]
         ring[index] = _gather_slot(slot, cache, self._table, self._local_cu, after, mesh=self.mesh,
                                    axis_name=self.axis_name, num_rows=self._plan.padded_tokens,
                                    implementation=full_ckv.static_implementation(self.implementation),
-                                   interpret=self.interpret)
+                                   interpret=self.interpret, tiles=tiles)
         _check_reused(slot, index)
         return ring[index]
 
@@ -267,10 +312,14 @@ def _check_reused(slot, index: int):
                            "earlier gather is alive outside ckv-jax); drop it before its slot is reused")
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "num_rows", "implementation", "interpret"),
+@functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "num_rows", "implementation", "interpret", "tiles"),
                    donate_argnums=0, keep_unused=True)
-def _gather_slot(slot, cache, table, local_cu, after, *, mesh, axis_name, num_rows, implementation, interpret):
-    """The layer's gathered workspace written into the head of ring slot `slot`, in one program."""
-    ws = full_ckv.all_gather_placed(cache, table, local_cu, mesh=mesh, axis_name=axis_name, num_rows=num_rows,
-                                    implementation=implementation, interpret=interpret)
-    return jax.lax.dynamic_update_slice_in_dim(slot, ws, 0, axis=0)
+def _gather_slot(slot, cache, table, local_cu, after, *, mesh, axis_name, num_rows, implementation, interpret,
+                 tiles=None):
+    """The layer's gathered workspace written into the head of ring slot `slot` (donated), in one
+    program whose gather writes straight into the slot (see `gather_workspace_in_shard_map`)."""
+    body = functools.partial(full_ckv.gather_workspace_in_shard_map, num_rows=num_rows, axis_name=axis_name,
+                             implementation=implementation, interpret=interpret, tiles=tiles)
+    return jax.shard_map(lambda c, t, u, out: body(c, t, u, out=out), mesh=mesh,
+                         in_specs=(P(axis_name), P(), P(), P()), out_specs=P(),
+                         check_vma=False)(cache, table, local_cu, slot)

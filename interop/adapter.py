@@ -14,16 +14,24 @@ of one `jax.distributed` run, whose mesh axis `dcp` spans one device per process
     else: ...the stock path...
     adapter.close()
 
-The work of `gather` runs on JAX's stream: the prefetches of layers L+1..L+N overlap torch's
-compute of layer L.  Ordering follows `interop.bridge`: each call imports the chunk's latents from
-torch's current stream and every JAX computation it dispatches takes them as an input (so it runs
-after torch's cache writes and after torch's reads of a reused slot); the returned workspace is
-a torch view of the ring slot, exported so that torch's stream waits for the gather and patch.
-Torch tensors the calls imported are kept alive until the step is drained (next `begin_step`
-or `close`), after torch's stream has waited for every computation that reads them.
+The work of `gather` runs on JAX's compute stream: the prefetches of layers L+1..L+N run there
+while torch computes layer L.  Two ordering protocols, chosen once (`ordering`):
+
+* ``"cuda-events"`` (CUDA, where `interop.stream_handoff` finds JAX's compute stream): the ring
+  slots are torch memory imported into JAX once, and every gather and patch writes into them in
+  place; the chunk's latents are copied by torch into two persistent buffers that JAX imported
+  once per step.  Per call: JAX's stream waits on an event of torch's current stream (so JAX
+  runs after torch's cache writes, the chunk copy and torch's reads of a slot it reuses), the
+  layer's own gather or patch is dispatched, torch's stream waits on an event recorded right
+  after it, and only then are the prefetches of later layers dispatched, so torch never waits
+  for them.  No import, export or host synchronization per layer.
+* ``"dlpack"`` (CPU tensors, or when the stream hand-off is unavailable, logged): each call
+  imports the chunk's latents from torch's current stream and every JAX computation of the call
+  takes them as an input; the workspace is exported (torch's stream waits for it) before the
+  prefetches are dispatched.  Imported tensors are kept alive until the step is drained.
 
 The returned view is valid until its ring slot is reused (depth + 1 layers later, or the next
-step); drop it before that, or the next reuse raises (the pool never grows).
+step); drop it (and every view of it) before that, or the reuse raises (the pool never grows).
 """
 from __future__ import annotations
 
@@ -36,25 +44,66 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ckv_jax import formats, full_ckv
 from ckv_jax.dcp_layout import DcpLayout
-from ckv_jax.prefetch import PrefetchOrchestrator
+from ckv_jax.prefetch import PrefetchOrchestrator, WorkspacePool
 from ckv_jax.prefetch_config import GatherConfig
 from ckv_jax.step_plan import build_step_plan
-from interop import bridge
+from interop import bridge, stream_handoff
 
 log = logging.getLogger("ckv_jax.interop")
 
 
+class TorchWorkspacePool(WorkspacePool):
+    """Ring slots in torch's memory (so the engine's allocator accounts for them), imported into
+    JAX once; JAX writes each gather and patch into them in place (the slot is donated and the
+    kernels alias it).  `tensor_of` finds the torch tensor of a workspace JAX returned, which
+    also proves the write was in place."""
+
+    def __init__(self, mesh, plan, world_size, record_bytes, *, device: torch.device, jax_device):
+        tensors = []
+
+        def allocate(rows, record_bytes):
+            t = torch.zeros((rows, record_bytes), dtype=torch.uint8, device=device)
+            tensors.append(t)
+            local = bridge.to_jax(t, name="workspace slot", device=jax_device)
+            return jax.make_array_from_single_device_arrays(local.shape, NamedSharding(mesh, P()), [local])
+
+        super().__init__(mesh, plan, world_size, record_bytes, allocate=allocate)
+        self._tensors = [tensors[lane * plan.slots:(lane + 1) * plan.slots] for lane in range(plan.lanes)]
+        self._by_pointer = {t.data_ptr(): t for t in tensors}
+        # the pool's own references to each slot's storage; any more are views held elsewhere
+        self._own_refs = {t.data_ptr(): stream_handoff.storage_use_count(t) for t in tensors}
+
+    def check_writable(self, lane: int, index: int):
+        t = self._tensors[lane][index]
+        if stream_handoff.storage_use_count(t) > self._own_refs[t.data_ptr()]:
+            raise RuntimeError(f"CKV workspace ring slot {index} is still referenced (a workspace returned by an "
+                               "earlier gather, or a view of it, is alive); drop it before its slot is reused")
+
+    def tensor_of(self, workspace: jax.Array) -> torch.Tensor:
+        pointer = workspace.addressable_data(0).unsafe_buffer_pointer()
+        t = self._by_pointer.get(pointer)
+        if t is None:
+            raise RuntimeError(f"workspace at 0x{pointer:x} is not a ring slot: JAX did not write the gather into its "
+                               "slot in place (a donated slot was copied)")
+        return t
+
+
 class TorchCkvAdapter:
     """See the module docstring.  `min_world_size=1` runs the full path with D = 1 (tests and
-    single-GPU benchmarks); serving leaves it at 2."""
+    single-GPU benchmarks); serving leaves it at 2.  `ordering` forces a protocol ("dlpack"),
+    None picks "cuda-events" where it is available.  `prefetch_programs`: the persistent programs
+    of a prefetch's pack (None: one per SM, `ckv_jax.prefetch.prefetch_tiles`; 0: the full grid
+    of a synchronous gather)."""
 
     def __init__(self, *, world_size: int, format: str, max_num_seqs: int, config: GatherConfig,
                  interleave: int = 1, block_size: int = 64, mesh: jax.sharding.Mesh | None = None,
                  ubatches: int = 1, speculative: bool = False, implementation=None, interpret: bool = False,
-                 min_world_size: int = 2):
+                 min_world_size: int = 2, ordering: str | None = None, prefetch_programs: int | None = None):
         bridge.check_not_capturing("TorchCkvAdapter")
         if not config.enabled:
             raise ValueError("config: the full-CKV gather is disabled (GatherConfig.enabled / CKV_JAX_GATHER)")
+        if ordering not in (None, "cuda-events", "dlpack"):
+            raise ValueError(f"ordering: expected None, 'cuda-events' or 'dlpack', got {ordering!r}")
         self.fmt = formats.get(format)
         self.layout = DcpLayout(world_size, interleave, block_size)
         if mesh is None:
@@ -68,13 +117,36 @@ class TorchCkvAdapter:
         self.config = config
         self.max_num_seqs = max_num_seqs
         self.min_world_size = min_world_size
+        self.events = self._stream_events(ordering)
+        self.ordering = self.events.name if self.events else "dlpack"
+        pool = {}
+        if self.events:
+            pool = dict(pool_type=TorchWorkspacePool,
+                        pool_args=dict(device=self.events.device, jax_device=self.device))
         self.orch = PrefetchOrchestrator(mesh, self.layout, self.fmt.name, max_num_seqs=max_num_seqs, config=config,
                                          ubatches=ubatches, speculative=speculative,
-                                         implementation=implementation, interpret=interpret)
+                                         implementation=implementation, interpret=interpret,
+                                         prefetch_programs=prefetch_programs, **pool)
         self.plan = None
-        self._caches: dict = {}            # (lane, layer) -> (data_ptr, shape, global cache array)
+        self._caches: dict = {}            # (lane, layer) -> (data_ptr, shape, global cache array, tensor)
         self._chunk = None
+        self._chunk_buffers: dict = {}     # cuda-events: (dtype, width) -> persistent torch buffer
+        self._step_chunk = {}              # cuda-events: (dtype, width) -> its JAX view of this step's T rows
         self._keepalive: list = []         # torch tensors JAX may still read this step
+
+    def _stream_events(self, ordering):
+        if ordering == "dlpack" or self.device.platform != "gpu" or not torch.cuda.is_available():
+            if ordering == "cuda-events":
+                raise ValueError(f"ordering: 'cuda-events' needs a CUDA device, got JAX's {self.device}")
+            return None
+        found = stream_handoff.probe(self.device)
+        if found.stream is None:
+            if ordering == "cuda-events":
+                raise RuntimeError(f"ordering: 'cuda-events' is unavailable: {found.why}")
+            log.warning("torch<->JAX ordering falls back to DLPack imports and exports per layer "
+                        "(host-bound, no prefetch overlap): %s", found.why)
+            return None
+        return stream_handoff.StreamEvents(torch.device("cuda", self.device.local_hardware_id), found.stream)
 
     # -- planning --------------------------------------------------------------------------------
     @property
@@ -111,7 +183,7 @@ class TorchCkvAdapter:
     def set_current_chunk(self, kv_c: torch.Tensor, k_pe: torch.Tensor):
         """The current chunk's latents of all T tokens of the step (every rank holds them all),
         for the patch of the next `gather`: kv_c bf16[T, 512] and k_pe bf16[T, 64] on this GPU.
-        Checked now, imported by `gather` (so the import is also the fresh one that orders it)."""
+        Checked now; read by `gather` (so torch may keep writing them until then)."""
         self._require_step("set_current_chunk")
         bridge.check_tensor("kv_c", kv_c, self.device)
         bridge.check_tensor("k_pe", k_pe, self.device)
@@ -123,20 +195,62 @@ class TorchCkvAdapter:
         as a torch view, after the layer wrote its chunk into `kv_cache` u8[num_blocks, block_size, R].
 
         layer_idx None: no lookahead for this call.  after: an event or stream of cache writes
-        made on another torch stream than the current one.
+        made on another torch stream than the current one.  The view is ordered for torch's
+        current stream; a reader on another stream waits for this one first.
         """
         self._require_step("gather")
         if self._chunk is None:
             raise RuntimeError("gather: call set_current_chunk(kv_c, k_pe) for this layer first")
         cache = self._cache(lane, layer_idx, kv_cache)
         bridge.join_stream(kv_cache.device, after)
+        chunk, self._chunk = self._chunk, None
+        if self.events is None:
+            return self._gather_dlpack(layer_idx, lane, cache, chunk)
+        stream = torch.cuda.current_stream(self.events.device)
+        kv_c, k_pe = self._chunk_on_device(chunk) if self.orch.is_pending(layer_idx, lane) else (None, None)
+        self.events.jax_after_torch(stream)     # after the cache write, the chunk copy, reads of reused slots
+        ws = self.orch.gather(layer_idx, cache, kv_c, k_pe, key=lane,
+                              ready=lambda _: self.events.torch_after_jax(stream))
+        return self.orch.pool.tensor_of(ws)[:]
+
+    def _gather_dlpack(self, layer_idx, lane, cache, chunk):
         # imported now, after the engine's cache write: every computation of this call takes kv_c
         # as an input, which orders it after torch's work so far (writes, and reads of reused slots)
         kv_c, k_pe = (self._replicated(bridge.to_jax(t, name=n, device=self.device), t)
-                      for n, t in zip(("kv_c", "k_pe"), self._chunk))
-        self._chunk = None
-        ws = self.orch.gather(layer_idx, cache, kv_c, k_pe, key=lane, after=kv_c)
-        return bridge.to_torch(ws.addressable_shards[0].data, name="workspace")
+                      for n, t in zip(("kv_c", "k_pe"), chunk))
+        exported = []
+        # exported before any prefetch is dispatched: torch's wait then covers this layer's work only
+        self.orch.gather(layer_idx, cache, kv_c, k_pe, key=lane, after=kv_c,
+                         ready=lambda ws: exported.append(bridge.to_torch(ws.addressable_data(0), name="workspace")))
+        return exported[0]
+
+    def _chunk_on_device(self, chunk):
+        """cuda-events: the chunk copied (on torch's stream) into the persistent buffers JAX
+        imported for this step; returns their JAX arrays."""
+        out = []
+        for name, t in zip(("kv_c", "k_pe"), chunk):
+            if t.dim() != 2 or t.shape[0] != self.plan.num_tokens:
+                raise ValueError(f"{name}: expected [{self.plan.num_tokens}, width] (the step's query tokens), "
+                                 f"got {t.dtype}{list(t.shape)}")
+            key = (t.dtype, t.shape[1])
+            view = self._step_chunk.get(key)
+            if view is None:
+                view = self._step_chunk[key] = self._chunk_buffer(key, name)
+            view[1].copy_(t)
+            out.append(view[0])
+        return out
+
+    def _chunk_buffer(self, key, name):
+        """(JAX array, torch view) of the first T rows of the persistent buffer for `key`,
+        imported once per step; the buffer grows to the next power of two of T when needed."""
+        dtype, width = key
+        rows = self.plan.num_tokens
+        buf = self._chunk_buffers.get(key)
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.empty((1 << max(rows - 1, 0).bit_length(), width), dtype=dtype, device=self.events.device)
+            self._chunk_buffers[key] = buf
+        view = buf[:rows]
+        return self._replicated(bridge.to_jax(view, name=name, device=self.device), view), view
 
     def remap_topk(self, topk: torch.Tensor):
         """Global top-k i32[T, K] (positions per request, -1 = none) -> (workspace rows, counts) as
@@ -151,8 +265,6 @@ class TorchCkvAdapter:
         self.orch.reset()
         self._caches.clear()
         self.plan = None
-
-    reset = close
 
     # -- internals -------------------------------------------------------------------------------
     def _require_step(self, what):
@@ -179,14 +291,20 @@ class TorchCkvAdapter:
             shape, NamedSharding(self.mesh, P(full_ckv.DCP_AXIS)), [local])
         if layer_idx is not None:         # a per-call (no layer index) cache is not kept bound
             self._caches[key] = (kv_cache.data_ptr(), tuple(kv_cache.shape), cache, kv_cache)
+        else:
+            self._keepalive.append(kv_cache)
         return cache
 
     def _drain(self):
         """Make torch's stream wait for every JAX computation still reading step inputs (dropped
         prefetches included), then release the torch tensors they read."""
-        for ws in self.orch.in_flight():
-            bridge.to_torch(ws.addressable_shards[0].data, name="in-flight workspace")
+        if self.events is not None:
+            self.events.torch_after_jax(torch.cuda.current_stream(self.events.device))
+        else:
+            for ws in self.orch.in_flight():
+                bridge.to_torch(ws.addressable_data(0), name="in-flight workspace")
         self._keepalive.clear()
+        self._step_chunk.clear()
         self._chunk = None
 
 

@@ -1,31 +1,36 @@
-"""`python -m interop.bench`: the torch adapter on a CUDA GPU, as a torch engine sees it.
+"""`python -m interop.bench`: how much of the gather the torch adapter's prefetch hides, on a GPU.
 
-* overhead: host time of one layer's adapter calls (`set_current_chunk` + `gather`, i.e. the
-  imports, the dispatches and the export) with a tiny workspace, so the kernels are negligible;
-  beside it a naive torch -> JAX -> torch round trip (import the cache, a jitted gather, export).
-* overlap: L layers where torch computes X ms per layer (matmuls on its stream) and the adapter
-  gathers a Y ms workspace (JAX's stream); step time from CUDA events at depth 0 (X + Y expected)
-  and at depth >= 1 (max(X, Y) is the ideal).  X is calibrated to Y in the same run.
+One request of H history tokens plus a C-token chunk, D = 1, fp8_ds_mla, L layers.  Per layer
+torch computes X ms, writes the chunk into the layer's paged cache, calls `set_current_chunk` +
+`gather`, and reads the workspace (a one-row consumer that orders after it).  Two kinds of
+compute: `sleep` (`torch.cuda._sleep`: one spinning CTA, the SMs stay free, so this measures the
+ordering machinery alone) and `matmul` (bf16 matmuls that fill every SM: the realistic worst
+case).  Per row:
+
+  gather_ms_per_layer  the GPU time of a layer's JAX work: events on JAX's compute stream around
+                       each depth-0 layer's calls, without compute (median over layers and trials)
+  compute_only_ms      the same step with the adapter calls left out (compute and cache writes)
+  step_ms              CUDA events on torch's stream around the step's layer loop (median of
+                       trials; spread_pct = (max - min) / median of those trials); `begin_step`
+                       runs before the first event, its host time is begin_step_us
+  hidden_pct           100 * (1 - (step_N - compute_only) / (step_0 - compute_only)): the share
+                       of the depth-0 step's exposed gather time that depth N hides
+  host_us_per_layer    host wall time of one layer's `set_current_chunk` + `gather` (median)
 """
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
-import functools
 import json
 import statistics
 import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import interop
-from ckv_jax import formats, full_ckv
+from ckv_jax import formats, full_ckv, prefetch
 from ckv_jax.dcp_layout import DcpLayout
 from ckv_jax.prefetch_config import GatherConfig
 from ckv_jax.step_plan import build_step_plan
@@ -34,242 +39,255 @@ from interop import torch_records
 FMT = formats.get("fp8_ds_mla")
 
 
-class _Setup:
-    """One request of `context` tokens (the last `chunk` of them this step) on D = 1."""
+class Workload:
+    """The torch engine's side of one step: caches, table, chunk latents and device slots."""
 
-    def __init__(self, context, chunk, layers, depth, block_size=64):
+    def __init__(self, history: int, chunk: int, layers: int, block_size: int = 64, seed: int = 0):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
         self.layout = DcpLayout(1, 1, block_size)
+        context = history + chunk
         blocks = -(-context // block_size)
-        self.table = torch.randperm(blocks, device="cuda", dtype=torch.int32)[None, :].contiguous()
-        self.caches = [torch.randint(0, 256, (blocks, block_size, FMT.record_bytes), dtype=torch.uint8, device="cuda")
-                       for _ in range(layers)]
+        self.table = torch.randperm(blocks, device="cuda", dtype=torch.int32, generator=gen)[None, :].contiguous()
+        self.caches = [torch.randint(0, 256, (blocks, block_size, FMT.record_bytes), dtype=torch.uint8,
+                                     device="cuda", generator=gen) for _ in range(layers)]
         self.seq, self.q = np.array([context]), np.array([chunk])
         self.plan = build_step_plan(self.layout, self.seq, self.q, max_tokens=context, min_tokens=1,
                                     min_world_size=1)
-        self.kv = (torch.randn(chunk, 512, device="cuda") * 3).to(torch.bfloat16)
-        self.pe = torch.randn(chunk, 64, device="cuda").to(torch.bfloat16)
+        self.kv = (torch.randn(chunk, 512, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+        self.pe = torch.randn(chunk, 64, device="cuda", generator=gen).to(torch.bfloat16)
         self.records = torch_records.encode(FMT.name, self.kv, self.pe)
-        slots = self.layout.slot_mapping(self.plan.positions(), self.plan.req_id_per_token, self.table.cpu().numpy(), 0)
-        self.slots = slots                                # host slots: the write never syncs
-        self.adapter = interop.TorchCkvAdapter(
-            world_size=1, format=FMT.name, max_num_seqs=1, block_size=block_size, min_world_size=1,
-            config=GatherConfig(enabled=True, depth=depth, workspace_mib=0, min_tokens=1, max_tokens=context))
+        slots = self.layout.slot_mapping(self.plan.positions(), self.plan.req_id_per_token,
+                                         self.table.cpu().numpy(), 0)
+        self.slots = torch.tensor(slots, dtype=torch.int64, device="cuda")   # on the device: no sync per write
 
-    def step(self, compute=None):
-        a = self.adapter
-        a.begin_step(self.seq, self.q, self.table)
+    def adapter(self, depth: int, prefetch_programs: int | None = None) -> interop.TorchCkvAdapter:
+        return interop.TorchCkvAdapter(
+            world_size=1, format=FMT.name, max_num_seqs=1, block_size=self.layout.block_size, min_world_size=1,
+            config=GatherConfig(enabled=True, depth=depth, workspace_mib=0, min_tokens=1,
+                                max_tokens=int(self.seq[0])), prefetch_programs=prefetch_programs)
+
+    def write(self, layer: int):
+        self.caches[layer].view(-1, FMT.record_bytes).index_copy_(0, self.slots, self.records)
+
+    def step(self, adapter, compute=None, host=None, jax_events=None):
+        """One step: `begin_step`, then the layers."""
+        if adapter is not None:
+            adapter.begin_step(self.seq, self.q, self.table)
+        self.layers(adapter, compute, host, jax_events)
+
+    def layers(self, adapter, compute=None, host=None, jax_events=None):
+        """The layer loop of a begun step (adapter None: compute and cache writes only).  host: a
+        list that receives each layer's adapter host time; jax_events: a list that receives
+        (start, end) events recorded on JAX's stream around each layer's calls."""
         for layer, cache in enumerate(self.caches):
             if compute is not None:
                 compute()
-            torch_records.write(cache, self.records, self.slots)
-            a.set_current_chunk(self.kv, self.pe)
-            ws = a.gather(layer, cache)
-            ws[:1].sum()                                  # the layer's consumer (waits for the gather)
+            self.write(layer)
+            if adapter is None:
+                continue
+            if jax_events is not None:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(adapter.events.jax_stream)
+            t0 = time.perf_counter()
+            adapter.set_current_chunk(self.kv, self.pe)
+            ws = adapter.gather(layer, cache)
+            if host is not None:
+                host.append(time.perf_counter() - t0)
+            if jax_events is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(adapter.events.jax_stream)
+                jax_events.append((start, end))
+            ws[:1].sum()                                  # the layer's consumer: ordered after the gather
             del ws
 
 
-def overhead(layers: int, trials: int) -> dict:
-    out = {}
-    for depth in (0, 2):
-        s = _Setup(context=256, chunk=64, layers=layers, depth=depth)
-        for _ in range(3):
-            s.step()
-        torch.cuda.synchronize()
-        per_layer = []
-        for _ in range(trials):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            s.step()
-            per_layer.append((time.perf_counter() - start) / layers)
-        torch.cuda.synchronize()
-        out[f"adapter_depth{depth}_us"] = statistics.median(per_layer) * 1e6
-        s.adapter.close()
-
-    # naive: every call imports the cache and the table, runs a jitted gather, exports the result
-    s = _Setup(context=256, chunk=64, layers=layers, depth=0)
-    mesh = s.adapter.mesh
-    num_rows = s.plan.padded_tokens
-    local_cu = jnp.asarray(s.plan.local_cu_seq_lens)
-
-    sharded = NamedSharding(mesh, P(full_ckv.DCP_AXIS))
-
-    def naive(cache):
-        c = jax.device_put(interop.to_jax(cache), sharded)          # one device: no copy
-        t, cu = full_ckv.replicated(mesh, interop.to_jax(s.table), local_cu)
-        ws = full_ckv.all_gather_placed(c, t, cu, mesh=mesh, axis_name=full_ckv.DCP_AXIS, num_rows=num_rows,
-                                        implementation=None, interpret=False)
-        return interop.to_torch(ws.addressable_shards[0].data)
-
-    for _ in range(3):
-        [naive(c)[:1].sum() for c in s.caches]
+def event_ms(fn, before=None) -> float:
+    """CUDA events on torch's current stream around fn(); before() runs first, untimed."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    per_layer = []
+    if before is not None:
+        before()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def compute_kernels(target_ms: float) -> dict:
+    """kind -> a function that queues about target_ms of that compute on torch's current stream."""
+    cycles = 10_000_000
+    per_cycle_ms = statistics.median(event_ms(lambda: torch.cuda._sleep(cycles)) for _ in range(3)) / cycles
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    per_matmul_ms = statistics.median(event_ms(lambda: [a @ a for _ in range(20)]) for _ in range(3)) / 20
+    sleep_cycles = max(1, round(target_ms / per_cycle_ms))
+    reps = max(1, round(target_ms / per_matmul_ms))
+    return {"sleep": lambda: torch.cuda._sleep(sleep_cycles), "matmul": lambda: [a @ a for _ in range(reps)]}
+
+
+def _jax_ms_per_layer(work: Workload, adapter, trials: int) -> float:
+    """The GPU time of a depth-0 layer's JAX work without compute: events on JAX's stream around
+    each layer's calls; on the DLPack path (no stream handle) the step's time less the cache
+    writes alone, per layer."""
+    if adapter.events is None:
+        writes = statistics.median(timed(lambda: work.layers(None), trials))
+        step = timed(lambda: work.layers(adapter), trials, before=lambda: adapter.begin_step(work.seq, work.q, work.table))
+        return (statistics.median(step) - writes) / len(work.caches)
+    work.step(adapter)                                    # compiles: the GPU would idle inside the spans
+    spans = []
     for _ in range(trials):
+        events = []
+        adapter.begin_step(work.seq, work.q, work.table)
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        for c in s.caches:
-            naive(c)[:1].sum()
-        per_layer.append((time.perf_counter() - start) / layers)
-    torch.cuda.synchronize()
-    out["naive_round_trip_us"] = statistics.median(per_layer) * 1e6
+        work.layers(adapter, jax_events=events)
+        torch.cuda.synchronize()
+        spans += [s.elapsed_time(e) for s, e in events]
+    return statistics.median(spans)
 
-    # the pieces of one adapter call, host time each (median of 200)
-    local = interop.to_jax(s.kv)
-    pieces = {"import_us": lambda: interop.to_jax(s.kv),
-              "make_global_us": lambda: jax.make_array_from_single_device_arrays(
-                  local.shape, NamedSharding(mesh, P()), [local]),
-              "export_us": lambda: interop.to_torch(local)}
-    for name, fn in pieces.items():
-        for _ in range(20):
-            fn()
-        times = []
-        for _ in range(200):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        out[name] = statistics.median(times) * 1e6
-    s.adapter.close()
+
+def timed(fn, trials: int, warmup: int = 2, before=None) -> list[float]:
+    for _ in range(warmup):
+        if before is not None:
+            before()
+        fn()
+    return [event_ms(fn, before) for _ in range(trials)]
+
+
+def pack_bandwidth(work: Workload, programs, calls: int = 20) -> list[dict]:
+    """The pack of one layer's history alone (GB/s of bytes read + written, CUDA events on JAX's
+    stream around `calls` calls): the full grid and persistent grids of `programs` programs
+    (`ckv_jax.prefetch.prefetch_tiles`), beside a torch device copy of the same bytes."""
+    adapter = work.adapter(1)
+    stream = adapter.events.jax_stream
+    cache = interop.to_jax(work.caches[0], device=adapter.device)
+    table = interop.to_jax(work.table, device=adapter.device)
+    cu = jax.device_put(np.array([0, int(work.seq[0])], np.int32), adapter.device)     # the whole request
+    rows = work.plan.padded_tokens
+    moved = 2 * rows * FMT.record_bytes
+    out = []
+    for n in [0] + list(programs):
+        tiles = None if n == 0 else prefetch.prefetch_tiles(adapter.device, n)
+        pack = jax.jit(lambda c, t, u, tiles=tiles: full_ckv.pack_local(c, t, u, num_rows=rows, tiles=tiles))
+        jax.block_until_ready(pack(cache, table, cu))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for _ in range(calls):
+            res = pack(cache, table, cu)
+        end.record(stream)
+        jax.block_until_ready(res)
+        end.synchronize()
+        us = start.elapsed_time(end) * 1e3 / calls
+        out.append(dict(programs=n, tiles=str(tiles), us=us, gbps=moved / us / 1e3))
+    src = work.caches[0].view(-1)[:rows * FMT.record_bytes]
+    dst = torch.empty_like(src)
+    us = event_ms(lambda: [dst.copy_(src) for _ in range(calls)]) * 1e3 / calls
+    out.append(dict(programs=None, tiles="torch device copy", us=us, gbps=moved / us / 1e3))
+    adapter.close()
     return out
 
 
-@contextlib.contextmanager
-def _timing(targets, timers):
-    """Wrap each (owner, attribute, label) with a host timer that appends to timers[label]
-    (nested calls are timed each on its own: an outer label includes its inner ones)."""
-    saved = []
-    for owner, attr, label in targets:
-        fn = getattr(owner, attr)
-
-        def timed(*a, _fn=fn, _name=label, **k):
-            start = time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                timers[_name].append(time.perf_counter() - start)
-
-        saved.append((owner, attr, fn))
-        setattr(owner, attr, timed)
-    try:
-        yield
-    finally:
-        for owner, attr, fn in saved:
-            setattr(owner, attr, fn)
-
-
-def breakdown(layers: int, trials: int, with_compute: bool) -> dict:
-    """Host time per layer of each piece of the adapter calls, measured inside the layer loop
-    (with_compute: torch queues ~1 ms of matmuls per layer first, as in the overlap run)."""
-    s = _Setup(context=256, chunk=64, layers=layers, depth=0)
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    compute = (lambda: [a @ a for _ in range(4)]) if with_compute else None
-    for _ in range(3):
-        s.step(compute)
-    torch.cuda.synchronize()
-    timers = collections.defaultdict(list)
-    targets = [(jax.dlpack, "from_dlpack", "from_dlpack"), (interop.bridge, "to_jax", "to_jax"),
-               (interop.bridge, "to_torch", "to_torch"),
-               (jax, "make_array_from_single_device_arrays", "make_array_from_single_device_arrays"),
-               (s.adapter.orch, "gather", "orchestrator_gather"), (torch_records, "write", "torch_records_write"),
-               (s.adapter, "set_current_chunk", "set_current_chunk"), (s.adapter, "gather", "adapter_gather"),
-               (s.adapter, "begin_step", "begin_step")]
-    totals = []
-    with _timing(targets, timers):
-        for _ in range(trials):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            s.step(compute)
-            totals.append(time.perf_counter() - start)
-            torch.cuda.synchronize()
-    s.adapter.close()
-    per_layer = {f"{name}_us": sum(ts) / (trials * layers) * 1e6 for name, ts in timers.items()}
-    per_layer["calls_per_layer"] = {name: len(ts) / (trials * layers) for name, ts in timers.items()}
-    per_layer["step_per_layer_us"] = statistics.median(totals) / layers * 1e6
-    return per_layer
-
-
-def _event_ms(fn, trials=5) -> float:
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def overlap(context: int, chunk: int, layers: int, depths, side_stream: bool) -> list[dict]:
-    """side_stream: torch works on a stream of its own instead of the legacy default stream (which
-    synchronizes with every blocking stream of the device)."""
-    if side_stream:
-        with torch.cuda.stream(torch.cuda.Stream()):
-            return overlap(context, chunk, layers, depths, False)
+def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, prefetch_programs=None) -> list[dict]:
     rows = []
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    matmul_ms = _event_ms(lambda: [a @ a for _ in range(20)]) / 20
-    base = _Setup(context, chunk, layers, depth=0)
-    for _ in range(2):
-        base.step()
-    y_ms = _event_ms(base.step) / layers                  # gather (+ write) per layer, no compute
-    reps = max(1, round(y_ms / matmul_ms))
+    computes = {x: compute_kernels(x) for x in compute_ms}
+    for history in histories:
+        work = Workload(history, chunk, layers)
+        adapters = {d: work.adapter(d, prefetch_programs) for d in depths}
+        base = adapters[min(depths)]
+        gather_ms = _jax_ms_per_layer(work, base, trials)
+        for stream_kind in streams:
+            stream = torch.cuda.Stream() if stream_kind == "side" else torch.cuda.default_stream()
+            with torch.cuda.stream(stream):
+                for kind in kinds:
+                    for x in compute_ms:
+                        compute = computes[x][kind]
+                        compute_only = timed(lambda: work.layers(None, compute), trials)
+                        x_ms = statistics.median(compute_only) / layers
+                        by_depth = {}
+                        for depth in depths:
+                            host, begin = [], []
 
-    def compute():
-        for _ in range(reps):
-            a @ a
+                            def begin_step(adapter=adapters[depth]):
+                                t0 = time.perf_counter()
+                                adapter.begin_step(work.seq, work.q, work.table)
+                                begin.append(time.perf_counter() - t0)
 
-    x_ms = _event_ms(lambda: [compute() for _ in range(layers)]) / layers
-    base.adapter.close()
-    del base
-    for depth in depths:
-        s = _Setup(context, chunk, layers, depth)
-        for _ in range(2):
-            s.step(compute)
-        step_ms = _event_ms(functools.partial(s.step, compute))
-        rows.append(dict(depth=depth, layers=layers, context=context, chunk=chunk, compute_ms_per_layer=x_ms,
-                         gather_ms_per_layer=y_ms, step_ms=step_ms, serial_ms=layers * (x_ms + y_ms),
-                         ideal_ms=layers * max(x_ms, y_ms),
-                         over_ideal_pct=100 * (step_ms / (layers * max(x_ms, y_ms)) - 1)))
-        s.adapter.close()
-        del s
+                            steps = timed(lambda: work.layers(adapters[depth], compute, host), trials,
+                                          before=begin_step)
+                            by_depth[depth] = statistics.median(steps)
+                            rows.append(dict(
+                                compute_kind=kind, torch_stream=stream_kind, depth=depth, history=history,
+                                chunk=chunk, layers=layers, ordering=adapters[depth].ordering,
+                                prefetch_tiles=str(adapters[depth].orch.prefetch_tiles),
+                                compute_ms_per_layer=x_ms, gather_ms_per_layer=gather_ms,
+                                compute_only_ms=statistics.median(compute_only), step_ms=by_depth[depth],
+                                spread_pct=100 * (max(steps) - min(steps)) / by_depth[depth],
+                                host_us_per_layer=1e6 * statistics.median(host),
+                                begin_step_us=1e6 * statistics.median(begin)))
+                        exposed0 = by_depth[min(depths)] - statistics.median(compute_only)
+                        for r in rows[-len(depths):]:
+                            r["hidden_pct"] = 100 * (1 - (r["step_ms"] - r["compute_only_ms"]) / exposed0)
+                        print(_line(rows[-len(depths):]), flush=True)
+        for a in adapters.values():
+            a.close()
+        work = adapters = base = None                     # free the caches and pools before the next history
         torch.cuda.empty_cache()
     return rows
 
 
+HEADER = (f"{'kind':>6} {'stream':>7} {'history':>8} {'X ms':>6} {'gather ms':>9} {'compute ms':>10} "
+          f"{'depth: step ms (hidden %, host us/layer, spread %)'}")
+
+
+def _line(rows) -> str:
+    r0 = rows[0]
+    cells = "  ".join(f"d{r['depth']} {r['step_ms']:7.2f} ({r['hidden_pct']:5.1f}%, {r['host_us_per_layer']:4.0f}, "
+                      f"{r['spread_pct']:.1f})" for r in rows)
+    return (f"{r0['compute_kind']:>6} {r0['torch_stream']:>7} {r0['history']:>8} {r0['compute_ms_per_layer']:6.2f} "
+            f"{r0['gather_ms_per_layer']:9.3f} {r0['compute_only_ms']:10.2f} {cells}")
+
+
+def _ints(text):
+    return [int(v) for v in text.split(",")]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m interop.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--context", type=int, default=1 << 20, help="tokens of the request in the overlap run")
-    ap.add_argument("--chunk", type=int, default=4096)
-    ap.add_argument("--depths", default="0,1,2")
-    ap.add_argument("--out", default="interop.json")
-    ap.add_argument("--skip-overlap", action="store_true", help="only the host-cost measurements")
+    ap.add_argument("--histories", type=_ints, default=[262144, 1048576], help="history tokens (default %(default)s)")
+    ap.add_argument("--chunk", type=int, default=4096, help="chunk tokens (default %(default)s)")
+    ap.add_argument("--layers", type=int, default=8, help="layers per step (default %(default)s)")
+    ap.add_argument("--depths", type=_ints, default=[0, 1, 2, 3], help="prefetch depths (default %(default)s)")
+    ap.add_argument("--compute-ms", type=lambda t: [float(v) for v in t.split(",")], default=[1.0, 4.0, 10.0],
+                    help="torch compute per layer, ms (default %(default)s)")
+    ap.add_argument("--kinds", type=lambda t: t.split(","), default=["sleep", "matmul"],
+                    help="torch compute kinds (default %(default)s)")
+    ap.add_argument("--streams", type=lambda t: t.split(","), default=["default", "side"],
+                    help="torch streams (default %(default)s)")
+    ap.add_argument("--trials", type=int, default=5, help="timed steps per row (default %(default)s)")
+    ap.add_argument("--prefetch-programs", type=int, default=None,
+                    help="persistent programs of a prefetch's pack (default: one per SM; 0: the full grid)")
+    ap.add_argument("--pack-programs", type=_ints, default=[66, 132, 264],
+                    help="persistent grids whose standalone pack bandwidth is measured (default %(default)s)")
+    ap.add_argument("--out", default="interop.json", help="JSON results (default %(default)s)")
     args = ap.parse_args(argv)
     if not (torch.cuda.is_available() and jax.default_backend() == "gpu"):
         print("interop.bench needs torch and JAX on a CUDA GPU", file=sys.stderr)
         return 2
-    over = overhead(layers=32, trials=9)
-    print("per-layer host overhead (us): " + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in over.items()), flush=True)
-    pieces = {}
-    for with_compute in (False, True):
-        pieces["with_compute" if with_compute else "idle_gpu"] = b = breakdown(32, 5, with_compute)
-        print(f"host time per layer inside the loop ({'torch matmuls queued' if with_compute else 'idle GPU'}): "
-              + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in b.items() if k.endswith("_us")), flush=True)
-    rows = []
-    for side in () if args.skip_overlap else (False, True):
-        for r in overlap(args.context, args.chunk, args.layers, [int(d) for d in args.depths.split(",")], side):
-            rows.append(dict(r, torch_stream="side" if side else "default"))
-    print(f"\n{'torch stream':>12} {'depth':>5} {'X ms/layer':>10} {'Y ms/layer':>10} {'step ms':>8} {'X+Y':>8} "
-          f"{'max(X,Y)':>8} {'vs ideal':>8}")
-    for r in rows:
-        print(f"{r['torch_stream']:>12} {r['depth']:>5} {r['compute_ms_per_layer']:>10.3f} "
-              f"{r['gather_ms_per_layer']:>10.3f} {r['step_ms']:>8.2f} {r['serial_ms']:>8.2f} {r['ideal_ms']:>8.2f} "
-              f"{r['over_ideal_pct']:>7.1f}%")
+    if 0 not in args.depths:
+        print("--depths: depth 0 is the baseline of hidden_pct; include it", file=sys.stderr)
+        return 2
+    args.depths = sorted(args.depths)
+    work = Workload(max(args.histories), args.chunk, 1)
+    pack = pack_bandwidth(work, args.pack_programs)
+    del work
+    print(f"pack of {max(args.histories) + args.chunk} records alone: " + ", ".join(
+        f"{p['tiles']}: {p['us']:.1f} us ({p['gbps']:.0f} GB/s)" for p in pack), flush=True)
+    print(HEADER, flush=True)
+    rows = run(args.histories, args.chunk, args.layers, args.depths, args.compute_ms, args.kinds, args.streams,
+               args.trials, args.prefetch_programs)
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), jax=jax.__version__, torch=torch.__version__,
                        command="python -m interop.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-                       overhead=over, breakdown=pieces, overlap=rows), f, indent=1)
+                       pack=pack, rows=rows), f, indent=1)
     return 0
 
 

@@ -1,5 +1,6 @@
 """Random inputs, comparisons and worker processes shared by the tests."""
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -115,3 +116,21 @@ def run_workers(script, extra_args, *, num=2, timeout=240, wait_for=None):
                 p.kill()
             p.wait()
     return procs, logs
+
+
+def copies_of_at_least(hlo_text, num_elements):
+    """Instructions of an optimized HLO module that copy a uint8 buffer of >= num_elements:
+    `copy` / `copy-start`, and a `dynamic-update-slice` standing outside a fusion (one that XLA
+    did not fuse with the producer of its update writes that update twice).  The bodies of
+    fusions are skipped: what a fusion computes is written once, in place."""
+    fused = set(re.findall(r"\sfusion\(.*?calls=(%[\w.-]+)", hlo_text))
+    found, skipping = [], False
+    for line in hlo_text.splitlines():
+        head = re.match(r"(?:ENTRY )?(%[\w.-]+) .*\{$", line)
+        if head:
+            skipping = head.group(1) in fused
+            continue
+        m = re.search(r"=\s*u8\[([0-9,]+)\]\S*\s+(?:copy|copy-start|dynamic-update-slice)\(", line)
+        if m and not skipping and int(np.prod([int(d) for d in m.group(1).split(",")])) >= num_elements:
+            found.append(m.group(0))
+    return found

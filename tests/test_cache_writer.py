@@ -10,7 +10,7 @@ import pytest
 
 import ckv_jax
 from ckv_jax import formats
-from helpers import ON_GPU, assert_bytes_equal, oracle_records, random_kv
+from helpers import ON_GPU, assert_bytes_equal, copies_of_at_least, oracle_records, random_kv
 from pallas_kernels import cache_writer
 from pallas_kernels.cache_writer import pallas_triton
 
@@ -74,15 +74,6 @@ def test_writer_with_zero_tokens_returns_cache_unchanged(implementation):
     assert_bytes_equal(out, poison)
 
 
-def _full_cache_copies(hlo_text, num_elements):
-    """HLO instructions whose opcode is copy and whose uint8 result has >= num_elements."""
-    found = []
-    for m in re.finditer(r"=\s*u8\[([0-9,]+)\]\S*\s+copy(?:-start)?\(", hlo_text):
-        if int(np.prod([int(d) for d in m.group(1).split(",")])) >= num_elements:
-            found.append(m.group(0))
-    return found
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_writer_updates_in_place(implementation, name):
     fmt = formats.get(name)
@@ -97,7 +88,7 @@ def test_writer_updates_in_place(implementation, name):
 
     compiled = jax.jit(write, donate_argnums=0).lower(cache, kv_c, k_pe, slots).compile()
     hlo = compiled.as_text()
-    assert _full_cache_copies(hlo, cache.size) == []
+    assert copies_of_at_least(hlo, cache.size) == []
     assert re.search(r"u8\[\d+(,\d+)*\]", hlo), "the check above must see the uint8 buffers"
     # and the donated input buffer is really consumed
     out = compiled(cache, kv_c, k_pe, slots)
@@ -108,7 +99,7 @@ def test_full_cache_copy_detector_sees_copies():
     """The in-place check must be able to fail: without donation XLA copies the cache."""
     cache = jnp.zeros((64, 16, 656), jnp.uint8)
     hlo = jax.jit(lambda c: c.at[3].set(1)).lower(cache).compile().as_text()
-    assert _full_cache_copies(hlo, cache.size)
+    assert copies_of_at_least(hlo, cache.size)
 
 
 @pytest.mark.parametrize("name", NAMES)

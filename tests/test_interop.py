@@ -189,3 +189,35 @@ def test_attention_output_layouts_compact_to_token_major():
         interop.attention_layout(torch.randn(t, dv, h).permute(0, 2, 1), t, h, dv)
     with pytest.raises(ValueError, match=r"expected shape \[T, H, Dv\] = \[5, 4, 8\]"):
         interop.attention_layout(torch.randn(t, h * dv), t, h, dv)
+
+
+# -- ordering protocol -------------------------------------------------------------------------
+def test_cpu_tensors_take_the_dlpack_path_and_events_are_refused():
+    engine = TorchEngine(1, 0, FP8, 1)
+    assert _adapter(1, engine).ordering == "dlpack"
+    with pytest.raises(ValueError, match=r"ordering: 'cuda-events' needs a CUDA device, got JAX's"):
+        _adapter(1, engine, ordering="cuda-events")
+    with pytest.raises(ValueError, match=r"ordering: expected None, 'cuda-events' or 'dlpack', got 'nccl'"):
+        _adapter(1, engine, ordering="nccl")
+
+
+def test_the_stream_probe_refuses_what_it_cannot_vouch_for(monkeypatch):
+    from interop import stream_handoff
+    found = stream_handoff.probe(jax.devices("cpu")[0])
+    assert found.stream is None and "is not a GPU" in found.why
+    assert stream_handoff._version("0.11.2") == (0, 11, 2) and stream_handoff._version("0.12.0rc1") == (0, 12, 0)
+    gpu = type("FakeGpu", (), {"platform": "gpu"})()
+    monkeypatch.setattr(jax, "__version__", "0.12.0")
+    assert "not of the release line whose compute-stream hand-off was checked (0.11.*)" in stream_handoff._probe(gpu).why
+
+
+def test_storage_use_count_sees_every_view():
+    from interop import stream_handoff
+    slot = torch.zeros(64, 656, dtype=torch.uint8)
+    own = stream_handoff.storage_use_count(slot)
+    view = slot[:]
+    sub = view[:10]
+    del view
+    assert stream_handoff.storage_use_count(slot) == own + 1, "a view of a view still pins the slot"
+    del sub
+    assert stream_handoff.storage_use_count(slot) == own

@@ -1,4 +1,8 @@
 """The torch bridge on CUDA: zero-copy, the graph-capture guard, and ordering under a race."""
+import logging
+import sys
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +12,8 @@ import torch
 import interop
 from ckv_jax import formats, full_ckv
 from ckv_jax.prefetch_config import GatherConfig
+from helpers import copies_of_at_least
+from interop import torch_records
 from torch_engine_sim import STEPS, TorchEngine
 
 pytestmark = pytest.mark.gpu
@@ -58,44 +64,161 @@ def test_every_entry_raises_under_graph_capture():
     assert x.sum().item() == 16
 
 
-@pytest.mark.parametrize("depth", [0, 1, 2])
-def test_prefetch_stays_exact_while_torch_writes_and_churns(depth):
+def _adapter(depth, ordering=None, layers=6):
+    return interop.TorchCkvAdapter(world_size=1, format="fp8_ds_mla", max_num_seqs=4, block_size=16,
+                                   config=GatherConfig(enabled=True, depth=depth, workspace_mib=0, min_tokens=1,
+                                                       max_tokens=512), min_world_size=1, ordering=ordering)
+
+
+@pytest.mark.parametrize("depth, ordering", [(d, "cuda-events") for d in range(4)] + [(0, "dlpack"), (2, "dlpack")])
+@pytest.mark.parametrize("stream", ["default", "side"])
+def test_prefetch_stays_exact_while_torch_writes_and_churns(depth, ordering, stream):
     """Torch delays every cache write and every read of a returned workspace behind long matmuls
     and churns its allocator; JAX's gathers, prefetches and slot reuses must still order right."""
     layers = 6
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
-    adapter = interop.TorchCkvAdapter(world_size=1, format="fp8_ds_mla", max_num_seqs=4, block_size=16,
-                                      config=GatherConfig(enabled=True, depth=depth, workspace_mib=0, min_tokens=1,
-                                                          max_tokens=512), min_world_size=1)
+    adapter = _adapter(depth, ordering, layers)
+    assert adapter.ordering == ordering
     a = torch.randn(4096, 4096, device="cuda")
     mesh = jax.make_mesh((1,), (full_ckv.DCP_AXIS,), devices=jax.devices()[:1])
-    for _ in range(2):
-        for hist, q in STEPS:
-            plan = engine.plan(hist, q, min_world_size=1)
-            assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table)
-            got, want = [], []
-            for layer in range(layers):
-                kv, pe = engine.chunk(plan.num_tokens)
-                for _ in range(4):
-                    a = (a @ a).clamp_(-1, 1)             # ~1 ms of torch work before the write
-                junk = [torch.empty(1 << 20, device="cuda").fill_(7) for _ in range(8)]   # allocator churn
-                del junk
-                engine.write(layer, plan, kv, pe)
-                snapshot = engine.caches[layer].clone()
-                adapter.set_current_chunk(kv, pe)
-                ws = adapter.gather(layer, engine.caches[layer])
-                for _ in range(4):
-                    a = (a @ a).clamp_(-1, 1)             # the read of ws lands long after the return
-                got.append(ws[:adapter.rows].clone())
-                want.append(snapshot)
-                del ws
-            for layer in range(layers):
-                expect = full_ckv.all_gather_ckv(full_ckv.place_caches([want[layer].cpu().numpy()], mesh),
-                                                 jnp.asarray(engine.block_table.cpu().numpy()), plan, mesh=mesh,
-                                                 format="fp8_ds_mla")
-                np.testing.assert_array_equal(got[layer].cpu().numpy(), np.asarray(expect),
-                                              err_msg=f"depth {depth} layer {layer}")
+    torch_stream = torch.cuda.Stream() if stream == "side" else torch.cuda.default_stream()
+    with torch.cuda.stream(torch_stream):
+        for _ in range(2):
+            for hist, q in STEPS:
+                plan = engine.plan(hist, q, min_world_size=1)
+                assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table)
+                got, want = [], []
+                for layer in range(layers):
+                    kv, pe = engine.chunk(plan.num_tokens)
+                    for _ in range(4):
+                        a = (a @ a).clamp_(-1, 1)             # ~1 ms of torch work before the write
+                    junk = [torch.empty(1 << 20, device="cuda").fill_(7) for _ in range(8)]   # allocator churn
+                    del junk
+                    engine.write(layer, plan, kv, pe)
+                    snapshot = engine.caches[layer].clone()
+                    adapter.set_current_chunk(kv, pe)
+                    ws = adapter.gather(layer, engine.caches[layer])
+                    for _ in range(4):
+                        a = (a @ a).clamp_(-1, 1)             # the read of ws lands long after the return
+                    got.append(ws[:adapter.rows].clone())
+                    want.append(snapshot)
+                    del ws
+                torch_stream.synchronize()
+                for layer in range(layers):
+                    expect = full_ckv.all_gather_ckv(full_ckv.place_caches([want[layer].cpu().numpy()], mesh),
+                                                     jnp.asarray(engine.block_table.cpu().numpy()), plan, mesh=mesh,
+                                                     format="fp8_ds_mla")
+                    np.testing.assert_array_equal(got[layer].cpu().numpy(), np.asarray(expect),
+                                                  err_msg=f"depth {depth} {ordering} {stream} layer {layer}")
     adapter.close()
+
+
+def test_the_event_path_is_on_and_uses_jax_compute_stream():
+    """The overlap mechanism is really in use: the stream JAX's programs run on (as a
+    buffer_callback sees it, in a program of this test) is the one the adapter orders against,
+    and the workspaces are the pool's torch memory, written in place."""
+    from jax.experimental.buffer_callback import buffer_callback
+    seen = []
+    callback = buffer_callback(lambda ctx, out, x: seen.append(int(ctx.stream)),
+                               jax.ShapeDtypeStruct((2,), jnp.float32), input_output_aliases={0: 0})
+    jax.block_until_ready(jax.jit(lambda v: callback(v * 3))(jnp.ones((2,), jnp.float32)))
+    adapter = _adapter(2)
+    assert adapter.ordering == "cuda-events"
+    assert adapter.events.jax_stream.cuda_stream == seen[0] != 0
+    engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), 3, device="cuda")
+    hist, q = STEPS[0]
+    plan = engine.plan(hist, q, min_world_size=1)
+    assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table)
+    pool = {t.data_ptr() for ring in adapter.orch.pool._tensors for t in ring}
+    for layer in range(3):
+        kv, pe = engine.chunk(plan.num_tokens)
+        engine.write(layer, plan, kv, pe)
+        adapter.set_current_chunk(kv, pe)
+        ws = adapter.gather(layer, engine.caches[layer])
+        assert ws.data_ptr() in pool
+        del ws
+    adapter.close()
+
+
+def test_without_the_private_api_the_adapter_falls_back_and_says_so(monkeypatch, caplog):
+    from interop import stream_handoff
+    monkeypatch.setattr(stream_handoff, "_PROBED", {})
+    monkeypatch.setitem(sys.modules, "jax.experimental.buffer_callback", None)     # import fails
+    with caplog.at_level(logging.WARNING, logger="ckv_jax.interop"):
+        adapter = _adapter(1)
+    assert adapter.ordering == "dlpack" and adapter.events is None
+    assert "falls back to DLPack" in caplog.text and "buffer_callback unavailable" in caplog.text
+    with pytest.raises(RuntimeError, match="'cuda-events' is unavailable: .*buffer_callback"):
+        _adapter(1, ordering="cuda-events")
+
+
+def test_the_gather_program_holds_no_copy_of_the_slot():
+    from ckv_jax import prefetch
+    mesh = jax.make_mesh((1,), (full_ckv.DCP_AXIS,), devices=jax.devices()[:1])
+    slot = full_ckv.replicated(mesh, jnp.zeros((8192, 656), jnp.uint8))[0]
+    cache = full_ckv.place_caches([np.zeros((128, 64, 656), np.uint8)], mesh)
+    table, cu = full_ckv.replicated(mesh, jnp.zeros((1, 128), jnp.int32), jnp.asarray([[0, 8000]], jnp.int32))
+    hlo = prefetch._gather_slot.lower(slot, cache, table, cu, None, mesh=mesh, axis_name="dcp", num_rows=8192,
+                                      implementation="pallas_triton", interpret=False).compile().as_text()
+    assert copies_of_at_least(hlo, 8192 * 656) == []
+    assert "ckv_gather_records" in hlo
+
+
+def test_no_host_synchronization_in_the_layer_loop():
+    """torch raises on any synchronizing call in the loop (sync debug mode), and the host
+    enqueues a whole step far faster than the GPU runs it, so JAX never blocked either."""
+    layers = 6
+    engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
+    adapter = _adapter(2, layers=layers)
+    hist, q = STEPS[0]
+    plan = engine.plan(hist, q, min_world_size=1)
+    slots = torch.tensor(engine.layout.slot_mapping(plan.positions(), plan.req_id_per_token, engine.table_host, 0),
+                         dtype=torch.int64, device="cuda")
+    keep = torch.nonzero(slots >= 0).flatten()
+    dest = slots[keep]
+    seq, qlen = torch.tensor(hist + q), torch.tensor(q)
+    chunks = [engine.chunk(plan.num_tokens) for _ in range(layers)]
+    records = [torch_records.encode("fp8_ds_mla", kv, pe).index_select(0, keep) for kv, pe in chunks]
+    cycles = _sleep_cycles_per_ms() * 10
+
+    def step():
+        adapter.begin_step(seq, qlen, engine.block_table)
+        start = time.perf_counter()
+        for layer in range(layers):
+            torch.cuda._sleep(cycles)                          # 10 ms of queued torch work per layer
+            engine.caches[layer].view(-1, 656).index_copy_(0, dest, records[layer])
+            adapter.set_current_chunk(*chunks[layer])
+            ws = adapter.gather(layer, engine.caches[layer])
+            ws[:1].sum()
+            del ws
+        return (time.perf_counter() - start) * 1e3
+
+    step()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        host_ms = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    gpu_start = time.perf_counter()
+    torch.cuda.synchronize()
+    assert host_ms < 5, f"the host took {host_ms:.1f} ms to enqueue {layers} layers of 10 ms each (begin_step aside)"
+    assert (time.perf_counter() - gpu_start) * 1e3 > 30, "the GPU work should still have been queued"
+    adapter.close()
+
+
+def _sleep_cycles_per_ms():
+    """Spin cycles per ms, measured after a first spin has raised the clocks from idle."""
+    rates = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(50_000_000)
+        end.record()
+        end.synchronize()
+        rates.append(50_000_000 / start.elapsed_time(end))
+    return int(max(rates))
 
 
 def test_torch_records_on_cuda_are_the_library_encoding():

@@ -258,3 +258,36 @@ def test_mosaic_gather_lowers_for_cuda_with_bulk_copies():
                                 sds((9,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("stablehlo.custom_call") == 1 and "ckv_gather_records_mgpu" in text
         assert "cp.async.bulk.tensor" not in text, "pages go by plain bulk copies, not tensor maps"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gather_into_a_buffer_writes_its_head_and_keeps_the_rest(name, implementation):
+    """`out=`: rows [0, num_rows) replaced by the gather, every later row of the poisoned
+    destination left as it was (a ring slot holds more rows than a step gathers)."""
+    fmt, cache, table, cu, rows = _case(name, seed=3)
+    poison = np.random.default_rng(9).integers(0, 256, (rows + 37, fmt.record_bytes), dtype=np.uint8)
+    got = np.asarray(paged_gather.gather_records(jnp.asarray(cache), jnp.asarray(table), jnp.asarray(cu),
+                                                 num_rows=rows, out=jnp.asarray(poison), **implementation))
+    np.testing.assert_array_equal(got[:rows], _numpy_model(cache, table, cu, rows))
+    np.testing.assert_array_equal(got[rows:], poison[rows:])
+
+
+def test_gather_into_a_buffer_rejects_a_wrong_destination():
+    fmt, cache, table, cu, rows = _case("fp8_ds_mla")
+    args = (jnp.asarray(cache), jnp.asarray(table), jnp.asarray(cu))
+    for bad in (jnp.zeros((rows - 1, 656), jnp.uint8), jnp.zeros((rows, 432), jnp.uint8),
+                jnp.zeros((rows, 656), jnp.int8)):
+        with pytest.raises(ValueError, match=rf"out: expected uint8\[>= {rows}, 656\]"):
+            paged_gather.gather_records(*args, num_rows=rows, out=bad, implementation="xla")
+    with pytest.raises(ValueError, match="out: the pallas_mosaic_gpu gather writes a fresh output only"):
+        paged_gather.gather_records(*args, num_rows=rows, out=jnp.zeros((rows, 656), jnp.uint8),
+                                    implementation="pallas_mosaic_gpu", interpret=True)
+
+
+def test_gather_into_a_buffer_lowers_for_cuda_aliased():
+    sds = jax.ShapeDtypeStruct
+    f = jax.jit(lambda c, b, u, o: pallas_triton.gather_records_triton(c, b, u, o, num_rows=32768), donate_argnums=3)
+    text = f.trace(sds((5000, 64, 656), jnp.uint8), sds((1, 600), jnp.int32), sds((2,), jnp.int32),
+                   sds((40000, 656), jnp.uint8)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call") == 1 and "ckv_gather_records" in text
+    assert "output_operand_aliases" in text, "the destination must be aliased in place"

@@ -7,6 +7,7 @@ from jax import lax
 import dcp_scenario
 from ckv_jax import formats, full_ckv, sparse_mla
 from ckv_jax.pipelined_prefill import MlaLayer, prefill_layers
+from helpers import copies_of_at_least
 from test_full_ckv import mesh_of
 
 SEQ_LENS, QUERY_LENS = [45, 23, 70], [12, 23, 9]
@@ -97,3 +98,16 @@ def test_prefill_layers_rejects_bad_arguments():
     with pytest.raises(ValueError, match="mesh: axis 'dcp' has size 4"):
         prefill_layers(x, caches, params, scenarios[0].block_table, plan, idx, cnt, layer=layer, depth=1,
                        mesh=mesh_of(4), format="fp8_ds_mla")
+
+
+@pytest.mark.parametrize("d", [1, 2])
+@pytest.mark.parametrize("depth", [0, 2])
+def test_the_step_program_copies_no_workspace(d, depth):
+    """Each gathered workspace is written once, where it lives: no ring it is copied into, and
+    the patch updates it in place."""
+    scenarios, plan, params, x, idx, cnt = _step(d, 1, "fp8_ds_mla")
+    caches = [full_ckv.place_caches(sc.caches, mesh_of(d)) for sc in scenarios]
+    hlo = prefill_layers(x, caches, params, scenarios[0].block_table, plan, idx, cnt, layer=make_layer("fp8_ds_mla", d),
+                         depth=depth, mesh=mesh_of(d), format="fp8_ds_mla", implementation="xla", compiled_text=True)
+    assert copies_of_at_least(hlo, d * plan.padded_tokens * 656) == []
+    assert "u8[" in hlo

@@ -4,11 +4,12 @@ import numpy as np
 import pytest
 
 import dcp_scenario
-from ckv_jax import full_ckv
+from ckv_jax import full_ckv, prefetch
 from ckv_jax.dcp_layout import DcpLayout
 from ckv_jax.prefetch import PrefetchOrchestrator, supports_lookahead, target_layers
 from ckv_jax.prefetch_config import GatherConfig
 from ckv_jax.step_plan import build_step_plan
+from helpers import copies_of_at_least
 from test_full_ckv import mesh_of
 
 FINAL_LENS = np.array([45, 40, 70])
@@ -198,3 +199,21 @@ def test_missing_layer_index_gathers_synchronously_and_lanes_keep_their_own_pend
     got = np.asarray(ws)[:len(want)]
     keep = np.setdiff1d(np.arange(len(got)), full_ckv.chunk_rows(plan))   # layer 2 has not written its chunk
     np.testing.assert_array_equal(got[keep], want[keep])
+
+
+@pytest.mark.parametrize("d", [1, 4])
+def test_a_gather_writes_straight_into_its_ring_slot(d):
+    """The orchestrator's compiled gather program never copies its slot, and with one rank not
+    even the gathered rows: the pack writes into the donated slot.  With D > 1 the all-gather's
+    rows are copied into the slot once (XLA cannot all-gather into a slice of another buffer)."""
+    mesh = mesh_of(d)
+    padded, capacity, record_bytes = 256, 1024, 656
+    slot = full_ckv.replicated(mesh, jnp.zeros((d * capacity, record_bytes), jnp.uint8))[0]
+    cache = full_ckv.place_caches([np.zeros((8, 64, record_bytes), np.uint8)] * d, mesh)
+    table, cu = full_ckv.replicated(mesh, jnp.zeros((1, 8), jnp.int32), jnp.asarray([[0, 200]] * d, jnp.int32))
+    hlo = prefetch._gather_slot.lower(slot, cache, table, cu, None, mesh=mesh, axis_name=full_ckv.DCP_AXIS,
+                                      num_rows=padded, implementation="xla", interpret=False).compile().as_text()
+    moved = copies_of_at_least(hlo, d * padded * record_bytes)
+    assert not [c for c in moved if "dynamic-update-slice" not in c], moved     # no copy of the slot
+    assert len(moved) == (0 if d == 1 else 1), moved
+    assert "u8[" in hlo, "the check above must see the uint8 buffers"

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # One H200 session's worth of checks and figures, inside the device's 600 s per command.
 # Run from the repository root:  [STAGES="..."] bash tools/device_run.sh   (output under $OUT)
-# Stages (default all, in this order): env tests examples interop writer gather patch prefill
+# Stages (default all, in this order): env tests examples trace interop writer gather patch prefill
 # sanitizer plot.  KERNEL_ARGS / PREFILL_ARGS / PYTEST_ARGS override the sweeps and the test
 # selection (default: the GPU tests, `-m gpu`).  Extra stages, run only when named: tune (the
-# tuning sweep, TUNE_ARGS), ncu (Nsight Compute on our kernels and torch's, NCU_RUNS), breakdown
-# (the adapter's host cost piece by piece, without the overlap run); NCU_SECTIONS and NCU_FORMAT
-# override the ncu sections and the record format.  SANITIZER_TESTS narrows the
+# tuning sweep, TUNE_ARGS), ncu (Nsight Compute on our kernels and torch's, NCU_RUNS); NCU_SECTIONS
+# and NCU_FORMAT override the ncu sections and the record format.  TRACE_BEFORE=DIR adds the
+# adapter's kernel timeline of another checkout (e.g. an older commit) beside this one's.
+# INTEROP_ARGS overrides the torch adapter benchmark's matrix.  SANITIZER_TESTS narrows the
 # memcheck run to some test files, SANITIZER_TIMEOUT bounds it.
 set -u -o pipefail
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-STAGES=${STAGES:-env tests examples interop writer gather patch prefill sanitizer plot}
+STAGES=${STAGES:-env tests examples trace interop writer gather patch prefill sanitizer plot}
 status=0
 step() { echo "=== $1 ($(date +%T))"; shift; timeout -k 10 "$@" || { echo "!!! exit $?"; status=1; }; }
 want() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -32,9 +33,13 @@ want ncu && step "ncu" 240 ncu --target-processes all --clock-control none --ker
   torch_pages:32768 gather_records:1048576:8:4 gather_records_mosaic:1048576 torch_pages:1048576 \
   gather_dequant:1048576:8:4 gather_slots:2048:16:8 torch_rows:2048 gather_slots:1048576:16:8 torch_rows:1048576} \
   2>&1 | tee "$OUT/ncu.txt"
-want breakdown && step "adapter host cost" 150 python -m interop.bench --skip-overlap --out "$OUT/interop_breakdown.json" \
-  2>&1 | tee "$OUT/interop_breakdown.txt"
-want interop && step "interop bench" 150 python -m interop.bench --out "$OUT/interop.json" 2>&1 | tee "$OUT/interop.txt"
+if want trace; then
+  step "adapter trace" 150 python tools/adapter_trace.py --out "$OUT/trace" 2>&1 | tee "$OUT/trace.txt"
+  [ -n "${TRACE_BEFORE:-}" ] && step "adapter trace ($TRACE_BEFORE)" 150 python tools/adapter_trace.py \
+    --code "$TRACE_BEFORE" --out "$OUT/trace_before" 2>&1 | tee "$OUT/trace_before.txt"
+fi
+want interop && step "interop bench" 360 python -m interop.bench ${INTEROP_ARGS:-} --out "$OUT/interop.json" 2>&1 \
+  | tee "$OUT/interop.txt"
 for op in writer gather patch; do
   want $op && step "bench $op" 150 python -m ckv_jax.cli bench --ops $op ${KERNEL_ARGS:-} --out "$OUT/$op.json" 2>&1 \
     | tee "$OUT/bench_$op.txt"

@@ -24,13 +24,16 @@ from pallas_kernels.record_codec import RecordLayout
 DEFAULT_ORDER = ("pallas_triton", "xla")
 
 
-def _records_triton(cache, block_table, cu_lens, *, num_rows, interpret=False, config=None):
-    return pallas_triton.gather_records_triton(cache, block_table, cu_lens, num_rows=num_rows,
+def _records_triton(cache, block_table, cu_lens, out=None, *, num_rows, interpret=False, config=None):
+    return pallas_triton.gather_records_triton(cache, block_table, cu_lens, out, num_rows=num_rows,
                                                config=config or pallas_triton.RECORDS_CONFIG, interpret=interpret)
 
 
-def _records_mosaic(cache, block_table, cu_lens, *, num_rows, interpret=False, config=None):
+def _records_mosaic(cache, block_table, cu_lens, out=None, *, num_rows, interpret=False, config=None):
     del config                                     # one page per CTA: nothing to tune
+    if out is not None:
+        raise ValueError("out: the pallas_mosaic_gpu gather writes a fresh output only; "
+                         "use pallas_triton or xla to gather into an existing buffer")
     params = compat.mosaic_gpu_interpret_params() if interpret else False
     if interpret and params is None:
         raise ValueError("interpret: this jax has no Mosaic GPU interpret mode")
@@ -38,8 +41,8 @@ def _records_mosaic(cache, block_table, cu_lens, *, num_rows, interpret=False, c
                                                    interpret=params)
 
 
-def _records_xla(cache, block_table, cu_lens, *, num_rows, interpret=False, config=None):
-    return gather_records_reference(cache, block_table, cu_lens, num_rows=num_rows)
+def _records_xla(cache, block_table, cu_lens, out=None, *, num_rows, interpret=False, config=None):
+    return gather_records_reference(cache, block_table, cu_lens, out, num_rows=num_rows)
 
 
 def _dequant_triton(cache, block_table, cu_lens, *, num_rows, layout, interpret=False, config=None):
@@ -81,15 +84,25 @@ def _pick(op, choose, implementation, cache, work_bytes, interpret, config, skip
 
 
 def gather_records(cache: jax.Array, block_table: jax.Array, cu_lens: jax.Array, *, num_rows: int,
-                   implementation: str | Sequence[str] | None = None, interpret: bool = False,
-                   config: GatherConfig | None = None) -> jax.Array:
-    """u8[num_blocks, block_size, R] -> u8[num_rows, R] (see reference.py for the contract)."""
+                   out: jax.Array | None = None, implementation: str | Sequence[str] | None = None,
+                   interpret: bool = False, config: GatherConfig | None = None) -> jax.Array:
+    """u8[num_blocks, block_size, R] -> u8[num_rows, R] (see reference.py for the contract).
+
+    out: None, or u8[M, R] with M >= num_rows that receives the rows in place (its rows
+    [0, num_rows) are replaced, the rest kept; donate it to the enclosing jit, or XLA copies
+    it first), so a caller that owns the destination (a ring slot) gets no second copy.
+    """
+    if out is not None:
+        if out.dtype != cache.dtype or out.ndim != 2 or out.shape[1] != cache.shape[-1] or out.shape[0] < num_rows:
+            raise ValueError(f"out: expected uint8[>= {num_rows}, {cache.shape[-1]}] (num_rows rows of the cache's "
+                             f"records), got {out.dtype}{list(out.shape)}")
     # the Mosaic GPU grid has a CTA per page slot per request (mostly empty ones for several
-    # requests) and was measured with one: the automatic choice uses it for one request only
-    skip = ("pallas_mosaic_gpu",) if block_table.shape[0] > 1 else ()
+    # requests) and was measured with one: the automatic choice uses it for one request only;
+    # it writes a fresh output only
+    skip = ("pallas_mosaic_gpu",) if block_table.shape[0] > 1 or out is not None else ()
     impl, config = _pick("gather_records", choose_records, implementation, cache,
                          2 * num_rows * cache.shape[-1], interpret, config, skip)
-    return impl.run(cache, block_table, cu_lens, num_rows=num_rows, interpret=interpret, config=config)
+    return impl.run(cache, block_table, cu_lens, out, num_rows=num_rows, interpret=interpret, config=config)
 
 
 def gather_dequant(cache: jax.Array, block_table: jax.Array, cu_lens: jax.Array, *, num_rows: int,

@@ -2,7 +2,10 @@
 
 Paged gathers: grid (cdiv(num_rows, rows_per_tile),); program j writes output rows
 [j * rows_per_tile, (j + 1) * rows_per_tile) and nothing else, so every row is written exactly
-once, by one program, whatever the number of requests.  Each row finds its request by a binary
+once, by one program, whatever the number of requests.  The raw gather can instead run
+`programs` persistent programs that stride over the same tiles: a grid that is resident at once
+leaves no queue of pending programs ahead of another stream's kernels (the prefetch path, whose
+gather runs beside torch's compute).  Each row finds its request by a binary
 search over cu_lens (none with one request), then its block-table entry, so a tile may span
 requests and pages of any block size; rows outside every request (the padding
 [cu_lens[-1], num_rows)) are zero and never read the table.
@@ -35,9 +38,13 @@ class GatherConfig:
     num_warps: int = 4
     max_piece_bytes: int = 512    # raw gathers: widest single load/store of a record (power of two)
     evict_first: bool = False     # loads hint L2 to evict the (read-once) records first
+    programs: int = 0             # raw paged gather: 0 = one program per tile; n > 0 = n persistent
+                                  # programs striding over the tiles (a bounded SM footprint)
 
     def __post_init__(self):
         tuning.check_power_of_two_fields(self, ("rows_per_tile", "num_warps", "max_piece_bytes"))
+        if isinstance(self.programs, bool) or not isinstance(self.programs, int) or self.programs < 0:
+            raise ValueError(f"programs: expected an int >= 0, got {self.programs!r}")
 
 
 # The defaults where no tuned row applies (`pallas_kernels.tuning`): configs that won, or came
@@ -126,11 +133,26 @@ def _copy_rows(src_ref, src, read_ok, dst_ref, dst, write_ok, pieces, eviction_p
         compat.pltriton.store(dst_ref.at[dst, cols], data, mask=jnp.broadcast_to(write_ok, data.shape))
 
 
-def _raw_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, tile, pieces, eviction_policy):
+def _raw_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, tile, pieces, eviction_policy, programs=0, num_tiles=0):
     # cu_ref: i32[num_reqs + 1]; bt_ref: i32[num_reqs * max_blocks] (the table, flat)
     # cache_ref: u8[num_blocks * block_size, R]; out_ref: u8[num_rows, R]
-    src, dst, read_ok, write_ok = tile(pl.program_id(0), cu_ref, bt_ref)
-    _copy_rows(cache_ref, src, read_ok, out_ref, dst, write_ok, pieces, eviction_policy)
+    def copy_tile(j):
+        src, dst, read_ok, write_ok = tile(j, cu_ref, bt_ref)
+        _copy_rows(cache_ref, src, read_ok, out_ref, dst, write_ok, pieces, eviction_policy)
+
+    if not programs:
+        copy_tile(pl.program_id(0))
+        return
+    # persistent: program p copies tiles p, p + programs, ...; a tile past the last one has no
+    # row below num_rows, so every access of it is masked
+
+    first = pl.program_id(0)
+
+    def step(i, carry):
+        copy_tile(first + i * programs)
+        return carry
+
+    lax.fori_loop(0, pl.cdiv(num_tiles, programs), step, 0)
 
 
 def _dequant_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, tile, layout, eviction_policy):
@@ -168,30 +190,52 @@ def _slots_kernel(slot_ref, cache_ref, out_ref, *, num_slots, num_out, tile_rows
                write_ok, pieces, eviction_policy)
 
 
-def _paged_call(kernel, out_shape, cache, block_table, cu_lens, num_rows, config, interpret, name, **params):
+def _into_kernel(cu_ref, bt_ref, cache_ref, dest_ref, out_ref, *, kernel, **params):
+    # dest_ref: u8[M, R], aliased to out_ref: the kernel writes rows [0, num_rows) of out_ref
+    # and leaves the others as they are
+    del dest_ref
+    kernel(cu_ref, bt_ref, cache_ref, out_ref, **params)
+
+
+def _paged_call(kernel, out_shape, cache, block_table, cu_lens, num_rows, config, interpret, name, out=None,
+                **params):
+    """out: None (a fresh [num_rows, ...] output), or u8[M, R] with M >= num_rows, aliased in place."""
     num_blocks, block_size, record_bytes = cache.shape
     num_reqs, max_blocks = block_table.shape
     if num_reqs == 0 or max_blocks == 0 or num_rows == 0:    # nothing to read: every row is zero
-        return jnp.zeros(out_shape.shape, out_shape.dtype)
+        if out is None:
+            return jnp.zeros(out_shape.shape, out_shape.dtype)
+        return lax.dynamic_update_slice(out, jnp.zeros((num_rows,) + out.shape[1:], out.dtype), (0, 0))
     tile_rows = config.rows_per_tile
     tile = functools.partial(_tile_rows, num_reqs=num_reqs, max_blocks=max_blocks, num_blocks=num_blocks,
                              block_size=block_size, num_rows=num_rows, tile_rows=tile_rows)
+    num_tiles = pl.cdiv(num_rows, tile_rows)
+    grid = num_tiles
+    if config.programs and kernel is _raw_kernel:
+        grid = min(config.programs, num_tiles)
+        params = dict(params, programs=grid, num_tiles=num_tiles)
+    body = functools.partial(kernel, tile=tile, eviction_policy=_eviction(config), **params)
+    args = (cu_lens, block_table.reshape(num_reqs * max_blocks), cache.reshape(num_blocks * block_size, record_bytes))
+    aliases = {}
+    if out is not None:
+        body = functools.partial(_into_kernel, kernel=body)
+        out_shape, args, aliases = jax.ShapeDtypeStruct(out.shape, out.dtype), args + (out,), {3: 0}
     return pl.pallas_call(
-        functools.partial(kernel, tile=tile, eviction_policy=_eviction(config), **params), out_shape=out_shape,
-        grid=(pl.cdiv(num_rows, tile_rows),),
+        body, out_shape=out_shape, grid=(grid,),
         compiler_params=compat.triton_compiler_params(config.num_warps),
-        interpret=interpret, name=name,
-    )(cu_lens, block_table.reshape(num_reqs * max_blocks), cache.reshape(num_blocks * block_size, record_bytes))
+        input_output_aliases=aliases, interpret=interpret, name=name,
+    )(*args)
 
 
 @functools.partial(jax.jit, static_argnames=("num_rows", "config", "interpret"))
-def gather_records_triton(cache, block_table, cu_lens, *, num_rows: int,
+def gather_records_triton(cache, block_table, cu_lens, out=None, *, num_rows: int,
                           config: GatherConfig = RECORDS_CONFIG, interpret: bool = False):
-    """Same contract as `gather_records_reference`: -> u8[num_rows, R]."""
+    """Same contract as `gather_records_reference`: -> u8[num_rows, R], or `out` u8[M, R] with
+    its rows [0, num_rows) written in place (aliased: donate it to the caller's jit)."""
     record_bytes = cache.shape[2]
     return _paged_call(_raw_kernel, jax.ShapeDtypeStruct((num_rows, record_bytes), jnp.uint8), cache,
                        block_table, cu_lens, num_rows, config, interpret, f"ckv_gather_records_r{record_bytes}",
-                       pieces=record_pieces(record_bytes, config.max_piece_bytes))
+                       out=out, pieces=record_pieces(record_bytes, config.max_piece_bytes))
 
 
 @functools.partial(jax.jit, static_argnames=("num_rows", "layout", "config", "interpret"))

@@ -18,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels import record_codec
 from pallas_kernels.record_codec import RecordLayout
@@ -42,12 +43,14 @@ def source_slots(cache_shape, block_table, cu_lens, num_rows: int):
 
 
 @functools.partial(jax.jit, static_argnames=("num_rows",))
-def gather_records_reference(cache, block_table, cu_lens, *, num_rows: int):
-    """-> u8[num_rows, R]: raw records of each request's positions, zero padded."""
+def gather_records_reference(cache, block_table, cu_lens, out=None, *, num_rows: int):
+    """-> u8[num_rows, R]: raw records of each request's positions, zero padded.  With `out`
+    u8[M, R] (M >= num_rows): `out` with rows [0, num_rows) replaced by them, the rest kept."""
     num_blocks, block_size, record_bytes = cache.shape
     flat = cache.reshape(num_blocks * block_size, record_bytes)
     slots = source_slots(cache.shape, block_table, cu_lens, num_rows)
-    return jnp.take(flat, slots, axis=0, mode="fill", fill_value=0)
+    rows = jnp.take(flat, slots, axis=0, mode="fill", fill_value=0)
+    return rows if out is None else lax.dynamic_update_slice(out, rows, (0, 0))
 
 
 @functools.partial(jax.jit, static_argnames=("num_rows", "layout"))

@@ -1,0 +1,119 @@
+"""Ordering torch and JAX on one CUDA GPU with events, through the semi-private entry points that
+allow it.  This module is the only place that uses them; each is checked when it is first needed,
+and a missing or changed one makes `probe` return None with the reason (the adapter then takes
+the DLPack path and logs why), never a silently different order.
+
+JAX runs every computation of a device on one compute stream (the PJRT GPU client), but has no
+public handle of it: `Device.get_stream_for_external_ready_events()` is another stream, which
+does not order JAX's kernels.  `jax.experimental.buffer_callback` hands its callback an
+`ExecutionContext` whose `stream` is the compute stream the program runs on.  `probe` runs two
+small programs with such a callback and accepts the handle only if
+
+  * the jax version is one this module was checked against,
+  * both programs report the same non-null stream (one compute stream per device), and
+  * the callback ran on the dispatching thread, i.e. a program's kernels are enqueued before
+    its dispatch returns, so an event recorded on the stream right after a dispatch follows the
+    whole program (XLA joins its side streams back into the compute stream at the end).
+
+With the handle, the per-layer ordering costs two event records and two waits
+(`StreamEvents`).  `storage_use_count` (torch) counts the views of a tensor's memory, so the
+adapter can refuse to overwrite a ring slot that a caller still holds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import threading
+
+import jax
+import jax.numpy as jnp
+import torch
+
+log = logging.getLogger("ckv_jax.interop")
+
+# the jax release line whose buffer_callback context and dispatch were checked on a GPU (0.11.2;
+# the GPU tests pin both properties)
+CHECKED_JAX = (0, 11)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """(major, minor, micro) from a version string; a suffix such as "rc1" is ignored."""
+    return tuple(int(re.match(r"\d*", piece).group() or 0) for piece in text.split(".")[:3])
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+    stream: int | None        # cudaStream_t of JAX's compute stream, None when unusable
+    why: str                  # the reason it is unusable ("" otherwise)
+
+
+_PROBED: dict = {}
+
+
+def probe(device: jax.Device) -> ProbeResult:
+    """JAX's compute stream of `device` (a GPU), found once per device and cached."""
+    if device in _PROBED:
+        return _PROBED[device]
+    result = _probe(device)
+    _PROBED[device] = result
+    return result
+
+
+def _probe(device: jax.Device) -> ProbeResult:
+    if device.platform != "gpu":
+        return ProbeResult(None, f"device {device} is not a GPU")
+    if _version(jax.__version__)[:2] != CHECKED_JAX:
+        return ProbeResult(None, f"jax {jax.__version__} is not of the release line whose compute-stream hand-off "
+                                 f"was checked ({'.'.join(map(str, CHECKED_JAX))}.*)")
+    try:
+        from jax.experimental.buffer_callback import buffer_callback
+    except ImportError as e:
+        return ProbeResult(None, f"jax.experimental.buffer_callback unavailable: {e}")
+    seen = []
+
+    def record(ctx, out, x):
+        seen.append((int(ctx.stream), threading.get_ident()))
+
+    try:
+        callback = buffer_callback(record, jax.ShapeDtypeStruct((1,), jnp.int32), input_output_aliases={0: 0})
+        x = jax.device_put(jnp.zeros((1,), jnp.int32), device)
+        jax.block_until_ready(jax.jit(lambda v: callback(v) + 1)(x))
+        jax.block_until_ready(jax.jit(lambda v: callback(v * 2)[0])(x))
+    except Exception as e:          # any failure of a semi-private API means: do not use it
+        return ProbeResult(None, f"buffer_callback probe failed: {type(e).__name__}: {e}")
+    streams = {s for s, _ in seen}
+    if len(seen) != 2 or len(streams) != 1 or 0 in streams:
+        return ProbeResult(None, f"buffer_callback reported streams {sorted(streams)} in {len(seen)} calls; "
+                                 "expected one non-null compute stream")
+    if any(thread != threading.get_ident() for _, thread in seen):
+        return ProbeResult(None, "JAX enqueued a program on another thread (asynchronous dispatch): an event "
+                                 "recorded after a dispatch would not follow the program")
+    return ProbeResult(streams.pop(), "")
+
+
+class StreamEvents:
+    """Event ordering between torch's current stream and JAX's compute stream of one GPU."""
+
+    name = "cuda-events"
+
+    def __init__(self, device: torch.device, jax_stream: int):
+        self.device = device
+        self.jax_stream = torch.cuda.ExternalStream(jax_stream, device=device)
+        self._torch_done = torch.cuda.Event()
+        self._jax_done = torch.cuda.Event()
+
+    def jax_after_torch(self, torch_stream: torch.cuda.Stream):
+        """JAX work dispatched from now on runs after the work queued on `torch_stream` so far."""
+        self._torch_done.record(torch_stream)
+        self.jax_stream.wait_event(self._torch_done)
+
+    def torch_after_jax(self, torch_stream: torch.cuda.Stream):
+        """Work queued on `torch_stream` from now on runs after the JAX work dispatched so far."""
+        self._jax_done.record(self.jax_stream)
+        torch_stream.wait_event(self._jax_done)
+
+
+def storage_use_count(tensor: torch.Tensor) -> int:
+    """References to `tensor`'s storage held by tensors (every view counts one)."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)

@@ -1,0 +1,131 @@
+"""Kernel timeline of the torch adapter's step, per CUDA stream, from torch's profiler.
+
+    python tools/adapter_trace.py --out trace            # -> trace.png, trace.json
+    python tools/adapter_trace.py --code DIR --out old   # the same workload on another checkout
+
+Runs `interop.bench.Workload` (one request, D = 1, fp8_ds_mla) with `torch.cuda._sleep` compute
+on a torch side stream, two warm steps, then one step's layers per depth under `torch.profiler` with CUDA
+activities (which records every kernel and copy of the process, XLA's included).  The PNG has a
+panel per depth, a lane per stream and a bar per kernel; the JSON lists the kernels
+(stream, name, start and duration in us from the step's first GPU activity).
+--code DIR puts DIR first on the import path for ckv_jax / interop / pallas_kernels, while the
+workload still comes from this checkout's interop/bench.py (it uses only the adapter's public
+calls), so two versions of the adapter run the same step.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def kernels_of(trace_path: str) -> list[dict]:
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    out = [dict(stream=int(e["args"].get("stream", -1)), name=e["name"], start=float(e["ts"]), dur=float(e["dur"]))
+           for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    t0 = min((k["start"] for k in out), default=0.0)
+    for k in out:
+        k["start"] -= t0
+    return sorted(out, key=lambda k: k["start"])
+
+
+def category(name: str) -> str:
+    if "ckv_gather" in name:
+        return "gather"
+    if "ckv_write" in name:
+        return "patch"
+    if "sleep" in name.lower() or "spin" in name.lower():
+        return "torch compute"
+    if "memcpy" in name.lower() or name.startswith("Memcpy") or "copy" in name.lower():
+        return "copy"
+    return "other"
+
+
+COLORS = {"torch compute": "tab:blue", "gather": "tab:orange", "patch": "tab:green", "copy": "tab:red",
+          "other": "tab:gray"}
+
+
+def plot(panels: dict, path: str, title: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lanes = sum(len({k["stream"] for k in ks}) for ks in panels.values())
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.2 + 0.9 * lanes + 0.8 * len(panels)), squeeze=False)
+    for ax, (label, ks) in zip(axes[:, 0], panels.items()):
+        streams = sorted({k["stream"] for k in ks})
+        for lane, s in enumerate(streams):
+            for cat in COLORS:
+                bars = [(k["start"] / 1e3, max(k["dur"], 1.0) / 1e3) for k in ks if k["stream"] == s
+                        and category(k["name"]) == cat]
+                if bars:
+                    ax.broken_barh(bars, (lane - 0.35, 0.7), color=COLORS[cat], label=cat)
+        ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
+        ax.set_xlabel("ms from the step's first GPU activity")
+        ax.set_title(label, fontsize=10)
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles))
+        ax.legend(unique.values(), unique.keys(), loc="upper right", fontsize=7, ncol=len(unique))
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--code", default=ROOT, help="checkout whose ckv_jax/interop run (default: this one)")
+    ap.add_argument("--out", required=True, help="output prefix: <out>.png and <out>.json")
+    ap.add_argument("--history", type=int, default=1 << 20)
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--depths", default="0,2")
+    ap.add_argument("--sleep-ms", type=float, default=2.5, help="torch compute per layer (default %(default)s)")
+    ap.add_argument("--label", default="", help="title of the picture")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, os.path.abspath(args.code))
+    import torch
+    spec = importlib.util.spec_from_file_location("bench_workload", os.path.join(ROOT, "interop", "bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    work = bench.Workload(args.history, args.chunk, args.layers)
+    sleep = bench.compute_kernels(args.sleep_ms)["sleep"]
+    panels, listing = {}, {}
+    side = torch.cuda.Stream()
+    for depth in [int(d) for d in args.depths.split(",")]:
+        adapter = work.adapter(depth)
+        with torch.cuda.stream(side):
+            for _ in range(2):                    # the first step discovers the caches, the second compiles
+                work.step(adapter, sleep)
+            adapter.begin_step(work.seq, work.q, work.table)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                work.layers(adapter, sleep)
+                torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            ks = kernels_of(path)
+        ordering = getattr(adapter, "ordering", "dlpack (before cuda-events)")
+        panels[f"depth {depth} ({ordering}): {len(ks)} GPU activities"] = ks
+        listing[f"depth{depth}"] = ks
+        adapter.close()
+    title = args.label or (f"{args.layers} layers, {args.history} history + {args.chunk} chunk tokens, "
+                           f"sleep {args.sleep_ms} ms/layer on a torch side stream")
+    plot(panels, args.out + ".png", title)
+    with open(args.out + ".json", "w") as f:
+        json.dump(dict(title=title, code=os.path.abspath(args.code), kernels=listing), f)
+    for label, ks in panels.items():
+        print(label)
+        for k in ks:
+            print(f"  s{k['stream']:<4} {k['start']:10.1f} {k['dur']:8.1f}  {k['name'][:70]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
