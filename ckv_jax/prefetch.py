@@ -51,13 +51,13 @@ def supports_lookahead(format) -> bool:
 
 def prefetch_tiles(device: jax.Device, programs: int | None = None) -> GatherTiles:
     """The pack config of a prefetch (a gather issued ahead, which runs beside the caller's
-    compute): `programs` persistent programs, by default one per SM, each moving 64-record
-    tiles (42 KB per tile at 656 B, so that about one program per SM keeps enough loads in
-    flight).  The grid is resident at once, so no queue of gather programs sits ahead of the
-    kernels another stream launches meanwhile: those start as soon as they fit beside it,
-    instead of after the last gather program was scheduled."""
+    compute): `programs` persistent programs, by default one per two SMs, each moving 64-record
+    tiles.  A full grid (or one program per SM, whose tiles fill an SM's registers) keeps every
+    SM busy until the gather ends, so the kernels another stream launches meanwhile wait for it;
+    half the SMs leave the other half to them (measured on the H200: BENCHMARKS.md, "Torch
+    adapter overlap")."""
     if programs is None:
-        programs = getattr(device, "core_count", 0) or 4
+        programs = max(1, (getattr(device, "core_count", 0) or 8) // 2)
     return GatherTiles(rows_per_tile=64, num_warps=8, programs=programs)
 
 
