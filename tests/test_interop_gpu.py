@@ -203,7 +203,8 @@ def test_no_host_synchronization_in_the_layer_loop():
         torch.cuda.set_sync_debug_mode(0)
     gpu_start = time.perf_counter()
     torch.cuda.synchronize()
-    assert host_ms < 5, f"the host took {host_ms:.1f} ms to enqueue {layers} layers of 10 ms each (begin_step aside)"
+    # any wait of the host on the GPU would last at least the 10 ms of the first layer's queued spin
+    assert host_ms < 10, f"the host took {host_ms:.1f} ms to enqueue {layers} layers of 10 ms each (begin_step aside)"
     assert (time.perf_counter() - gpu_start) * 1e3 > 30, "the GPU work should still have been queued"
     adapter.close()
 
