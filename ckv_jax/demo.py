@@ -60,7 +60,7 @@ def mla_layer(model, fmt, dcp, axis):
         return q.astype(jnp.bfloat16), kv[:, :512].astype(jnp.bfloat16), kv[:, 512:].astype(jnp.bfloat16)
 
     def attend(q, workspace, indices, counts):
-        out, _ = sparse_mla._attend_f32(q, workspace, indices, counts, model.sm_scale, fmt.layout)
+        out, _ = sparse_mla.attend(q, workspace, indices, counts, model.sm_scale, fmt.layout)
         return out.astype(jnp.bfloat16)
 
     def finish(p, x, out):

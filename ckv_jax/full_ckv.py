@@ -30,6 +30,31 @@ def replicated(mesh: jax.sharding.Mesh, *arrays):
     return [jax.device_put(jnp.asarray(a), sharding) for a in arrays]
 
 
+def auto_axes(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """`mesh` with every axis of type Auto (the same devices and names).  Arrays sharded over an
+    Explicit axis refuse plain indexing (`out[0, 0]`); the library's outputs live on this copy so
+    that a user indexes them like any array, whichever mesh they built."""
+    auto = jax.sharding.AxisType.Auto
+    if all(t == auto for t in mesh.axis_types):
+        return mesh
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(mesh.axis_names))
+
+
+def dcp_mesh(world_size: int | None = None, devices=None, axis_name: str = DCP_AXIS) -> jax.sharding.Mesh:
+    """A one-axis mesh over `world_size` devices (default: all of `devices`, or of the default
+    backend) named `axis_name`, with an Auto axis type."""
+    devices = list(jax.devices() if devices is None else devices)
+    world_size = len(devices) if world_size is None else world_size
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size <= 0:
+        raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
+    if world_size > len(devices):
+        raise ValueError(f"world_size: {world_size} ranks need as many devices, got {len(devices)} "
+                         f"({devices[0].platform if devices else 'none'}); on a CPU set "
+                         "jax.config.update('jax_num_cpu_devices', N) before JAX starts")
+    return jax.make_mesh((world_size,), (axis_name,), devices=devices[:world_size],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
 def static_implementation(implementation):
     """`implementation` as a hashable static argument for jit (a sequence becomes a tuple)."""
     if implementation is None or isinstance(implementation, str):
@@ -287,7 +312,21 @@ def _write_dcp_jit(caches, kv_c, k_pe, slots, *, mesh, axis_name, layout, implem
 def place_caches(per_rank_caches, mesh: jax.sharding.Mesh, axis_name: str = DCP_AXIS):
     """Stack per-rank caches u8[num_blocks, block_size, R] (one per rank, host or device) into the
     sharded u8[D * num_blocks, block_size, R] that `all_gather_ckv` takes."""
-    stacked = np.concatenate([np.asarray(c) for c in per_rank_caches], axis=0)
+    if axis_name not in mesh.shape:
+        raise ValueError(f"mesh: expected an axis named {axis_name!r}, got axes {tuple(mesh.shape)}")
+    caches = [np.asarray(c) for c in per_rank_caches]
+    if len(caches) != mesh.shape[axis_name]:
+        raise ValueError(f"per_rank_caches: expected one cache per rank of mesh axis {axis_name!r} "
+                         f"({mesh.shape[axis_name]}), got {len(caches)}")
+    first = caches[0]
+    if first.ndim != 3 or first.dtype != np.uint8:
+        raise ValueError(f"per_rank_caches: expected uint8[num_blocks, block_size, R] per rank, got "
+                         f"{first.dtype}{list(first.shape)} for rank 0")
+    for rank, c in enumerate(caches):
+        if c.shape != first.shape or c.dtype != first.dtype:
+            raise ValueError(f"per_rank_caches: every rank's cache must be {first.dtype}{list(first.shape)} "
+                             f"(rank 0's), got {c.dtype}{list(c.shape)} for rank {rank}")
+    stacked = np.concatenate(caches, axis=0)
     # from a callback, so that each process of a multi-process run places only its own shards
     return jax.make_array_from_callback(stacked.shape, NamedSharding(mesh, P(axis_name)),
                                         lambda index: stacked[index])

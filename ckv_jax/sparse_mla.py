@@ -6,25 +6,81 @@ Semantics per query row t and head h (upstream b12x reference):
   s_j = sm_scale * <q[t, h], K_j> in float32, -inf where not valid
   out[t, h] = sum_j softmax(s)_j V_j  (zero when no j is valid)
   lse[t, h] = log(sum_j exp(s_j))    natural log, -inf when no j is valid
+A NaN in q[t] or in a selected record makes that row's out and lse NaN, as a plain softmax
+would: a row is empty (zeros, -inf) only when no index of it is valid.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ckv_jax import formats
-from ckv_jax import full_ckv
+from ckv_jax import formats, full_ckv, validation
 from ckv_jax.full_ckv import DCP_AXIS
 from ckv_jax.step_plan import StepPlan
 from pallas_kernels import record_codec
 
 
-def _attend_f32(q, records, indices, counts, sm_scale, layout):
-    """-> (out f32[T, H, nope], lse f32[T, H])."""
+def check_attention_inputs(q, records, indices, counts, sm_scale, fmt: formats.RecordFormat, *,
+                           records_name: str = "records"):
+    """Host checks of the attention inputs (shapes and dtypes; no device sync): q [T, H, 576] of a
+    float dtype, `records` u8[N, R] of `fmt`, indices i32[T, K], counts i32[T], a positive finite
+    sm_scale (when it is a host number)."""
+    check_query(q, fmt)
+    validation.check_array(records_name, records, (jnp.uint8,), f"[N, {fmt.record_bytes}]", 2)
+    if records.shape[1] != fmt.record_bytes:
+        raise ValueError(f"{records_name}: expected uint8[N, {fmt.record_bytes}] for format {fmt.name}, "
+                         f"got {validation.describe(records)}")
+    check_rows("indices", indices, q.shape[0])
+    t = q.shape[0]
+    validation.check_array("counts", counts, (jnp.int32,), f"[{t}]", 1)
+    if counts.shape[0] != t:
+        raise ValueError(f"counts: expected int32[{t}] (one count per query token of q), "
+                         f"got {validation.describe(counts)}")
+    check_sm_scale(sm_scale)
+
+
+def check_query(q, fmt: formats.RecordFormat):
+    value_dim = fmt.layout.value_dim
+    validation.check_array("q", q, (jnp.bfloat16, jnp.float16, jnp.float32), f"[T, H, {value_dim}]", 3)
+    if q.shape[2] != value_dim:
+        raise ValueError(f"q: expected [T, H, {value_dim}] ({fmt.nope_dim} latent + {fmt.rope_dim} RoPE), "
+                         f"got {validation.describe(q)}")
+
+
+def check_rows(name: str, rows, t: int):
+    """int32[t, K] index rows, one per query token."""
+    validation.check_array(name, rows, (jnp.int32,), f"[{t}, K]", 2)
+    if rows.shape[0] != t:
+        raise ValueError(f"{name}: expected int32[{t}, K] (one row per query token of q), "
+                         f"got {validation.describe(rows)}")
+
+
+def check_sm_scale(sm_scale):
+    if isinstance(sm_scale, (int, float, np.floating, np.integer)) and not isinstance(sm_scale, bool):
+        if not (math.isfinite(float(sm_scale)) and sm_scale > 0):
+            raise ValueError(f"sm_scale: expected a positive finite number, got {sm_scale!r}")
+    elif isinstance(sm_scale, bool) or not hasattr(sm_scale, "dtype"):
+        raise TypeError(f"sm_scale: expected a number, got {type(sm_scale).__name__}")
+
+
+def check_mesh_axis(mesh, axis_name: str) -> int:
+    """The size of `axis_name` in `mesh`, or a ValueError naming the axes it has."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis_name not in mesh.shape:
+        raise ValueError(f"mesh: expected an axis named {axis_name!r}, got axes {tuple(mesh.shape)}")
+    return mesh.shape[axis_name]
+
+
+def attend(q, records, indices, counts, sm_scale, layout):
+    """The attention body (no checks; usable inside jit and shard_map): q [T, H, 576], records
+    u8[N, R] of `layout`, indices i32[T, K], counts i32[T] -> (out f32[T, H, 512], lse f32[T, H])."""
     n = records.shape[0]
     k = indices.shape[1]
     valid = (jnp.arange(k)[None, :] < counts[:, None]) & (indices >= 0) & (indices < n)
@@ -39,33 +95,45 @@ def _attend_f32(q, records, indices, counts, sm_scale, layout):
     p = jnp.exp(scores - m)
     denom = jnp.sum(p, axis=-1)
     out = jnp.einsum("thk,tkd->thd", p, kv[..., :layout.nope_dim], precision=lax.Precision.HIGHEST)
-    out = jnp.where(denom[..., None] > 0, out / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
-    lse = jnp.where(denom > 0, jnp.log(jnp.where(denom > 0, denom, 1.0)) + m[..., 0], -jnp.inf)
+    # a row is empty only when no index is valid: a NaN score (from q or a record) stays NaN
+    nonempty = jnp.broadcast_to(valid.any(axis=-1)[:, None], denom.shape)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    out = jnp.where(nonempty[..., None], out / jnp.where(jnp.isnan(denom), denom, safe)[..., None], 0.0)
+    lse = jnp.where(nonempty, jnp.log(denom) + m[..., 0], -jnp.inf)
     return out, lse
 
 
-@functools.partial(jax.jit, static_argnames=("format",))
-def sparse_mla_reference(q, records, indices, counts, sm_scale, *, format: str):
+def sparse_mla_reference(q, records, indices, counts, sm_scale, *, format: str | formats.RecordFormat):
     """Sparse MLA over selected records.
 
     Args:
-      q: bf16[T, H, 576] absorbed query (512 nope ++ 64 rope).
+      q: bf16|f16|f32[T, H, 576] absorbed query (512 nope ++ 64 rope).
       records: u8[N, R] records of `format` (a workspace, or a flattened paged cache).
       indices: i32[T, K] rows of `records`; -1 (or any row outside [0, N)) is a hole.
       counts: i32[T]: only columns j < counts[t] are considered.
-      sm_scale: softmax scale.
+      sm_scale: softmax scale, positive.
     Returns:
-      out bf16[T, H, 512], lse f32[T, H] (natural log; -inf and zero output for an empty row).
+      out bf16[T, H, 512], lse f32[T, H] (natural log; -inf and zero output for an empty row;
+      NaN where q's row or a selected record holds a NaN).
     """
-    out, lse = _attend_f32(q, records, indices, counts, sm_scale, formats.get(format).layout)
+    fmt = formats.get(format)
+    check_attention_inputs(q, records, indices, counts, sm_scale, fmt)
+    return _reference_jit(q, records, indices, counts, sm_scale, layout=fmt.layout)
+
+
+@functools.partial(jax.jit, static_argnames=("layout",))
+def _reference_jit(q, records, indices, counts, sm_scale, *, layout):
+    out, lse = attend(q, records, indices, counts, sm_scale, layout)
     return out.astype(jnp.bfloat16), lse
 
 
 def merge_partials(out, lse, axis_name: str):
     """LSE merge across ranks of per-rank partials (out f32[T, H, V], lse f32[T, H]).
 
-    lse_g = logsumexp_r lse_r (NaN/+inf partials count as -inf); out = sum_r exp(lse_r - lse_g) out_r.
+    lse_g = logsumexp_r lse_r; out = sum_r exp(lse_r - lse_g) out_r.  A NaN (or +inf) partial
+    makes the merged row NaN, so a NaN in q or in a record is not dropped by the merge.
     """
+    poisoned = lax.psum((jnp.isnan(lse) | (lse == jnp.inf)).astype(jnp.int32), axis_name) > 0
     lse = jnp.where(jnp.isnan(lse) | (lse == jnp.inf), -jnp.inf, lse)
     all_lse = lax.all_gather(lse, axis_name)                       # [D, T, H]
     m = jnp.max(all_lse, axis=0)
@@ -73,23 +141,28 @@ def merge_partials(out, lse, axis_name: str):
     total = jnp.sum(jnp.exp(all_lse - m_safe), axis=0)
     lse_g = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + m_safe, -jnp.inf)
     weight = jnp.where(jnp.isfinite(lse) & jnp.isfinite(lse_g), jnp.exp(lse - lse_g), 0.0)
-    return lax.psum(weight[..., None] * jnp.where(jnp.isfinite(lse)[..., None], out, 0.0), axis_name), lse_g
+    merged = lax.psum(weight[..., None] * jnp.where(jnp.isfinite(lse)[..., None], out, 0.0), axis_name)
+    return jnp.where(poisoned[..., None], jnp.nan, merged), jnp.where(poisoned, jnp.nan, lse_g)
 
 
-def full_ckv_attention(q, workspace, indices, counts, sm_scale, *, format: str, mesh,
+def full_ckv_attention(q, workspace, indices, counts, sm_scale, *, format: str | formats.RecordFormat, mesh,
                        axis_name: str = DCP_AXIS):
     """Full-CKV path: each rank runs its own H/D query heads over the whole gathered workspace.
 
     q: bf16[T, H, 576] (H divisible by D); workspace: u8[D * P, R] replicated; indices/counts from
-    `remap_topk`.  Returns out bf16[T, H, 512], lse f32[T, H] (heads rank-major, as q).
+    `remap_topk`.  Returns out bf16[T, H, 512], lse f32[T, H] (heads rank-major, as q), sharded
+    by heads on an Auto-typed copy of `mesh`, so they index like ordinary arrays.
     """
-    d = mesh.shape[axis_name]
+    fmt = formats.get(format)
+    d = check_mesh_axis(mesh, axis_name)
+    check_attention_inputs(q, workspace, indices, counts, sm_scale, fmt, records_name="workspace")
     if q.shape[1] % d:
         raise ValueError(f"q: expected a head count divisible by the DCP size {d}, got {q.shape[1]}")
-    layout = formats.get(format).layout
+    mesh = full_ckv.auto_axes(mesh)
+    layout = fmt.layout
 
     def body(q_local, ws, idx, cnt):
-        out, lse = _attend_f32(q_local, ws, idx, cnt, sm_scale, layout)
+        out, lse = attend(q_local, ws, idx, cnt, sm_scale, layout)
         return out.astype(jnp.bfloat16), lse
 
     specs = (P(None, axis_name), P(), P(), P())
@@ -106,8 +179,22 @@ def stock_dcp_attention(q, caches, block_table, topk, plan: StepPlan, sm_scale, 
     caches: u8[D * num_blocks, block_size, R] sharded as for `all_gather_ckv`; topk: i32[T, K]
     global positions.  Returns out bf16[T, H, 512], lse f32[T, H], replicated.
     """
+    fmt = formats.get(format)
+    d = check_mesh_axis(mesh, axis_name)
+    if d != plan.world_size:
+        raise ValueError(f"mesh: axis {axis_name!r} has size {d}, expected the plan's world_size {plan.world_size}")
+    validation.check_cache(fmt, caches)
+    t = plan.num_tokens
+    check_query(q, fmt)
+    check_rows("topk", topk, q.shape[0])
+    check_sm_scale(sm_scale)
+    if q.shape[0] != t:
+        raise ValueError(f"q: expected [{t}, H, {fmt.layout.value_dim}] (the plan's query tokens), "
+                         f"got {validation.describe(q)}")
+    full_ckv.check_block_table(plan, block_table)
+    mesh = full_ckv.auto_axes(mesh)
     layout = plan.layout
-    rec_layout = formats.get(format).layout
+    rec_layout = fmt.layout
     causal = jnp.asarray(plan.positions() + 1)
     req = jnp.asarray(plan.req_id_per_token)
     lens = jnp.asarray(plan.rank_req_lens)
@@ -121,7 +208,7 @@ def stock_dcp_attention(q, caches, block_table, topk, plan: StepPlan, sm_scale, 
                 & (local < rank_lens[rank, req_id][:, None]))
         slots = jnp.where(mine, table[req_id[:, None], blk] * block_size + local % block_size, -1)
         counts = jnp.full((tk.shape[0],), tk.shape[1], jnp.int32)
-        out, lse = _attend_f32(q_all, cache.reshape(num_blocks * block_size, record_bytes), slots, counts,
+        out, lse = attend(q_all, cache.reshape(num_blocks * block_size, record_bytes), slots, counts,
                                sm_scale, rec_layout)
         out, lse = merge_partials(out, lse, axis_name)
         return out.astype(jnp.bfloat16), lse

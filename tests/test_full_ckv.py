@@ -232,3 +232,107 @@ def test_patch_rejects_mismatched_inputs():
         full_ckv.patch_current_chunk(ws, kv_c[:10], k_pe[:10], sc.plan, "fp8_ds_mla")
     with pytest.raises(ValueError, match=r"workspace: expected uint8\[>= 256, 656\] \(at least D \* P rows\)"):
         full_ckv.patch_current_chunk(ws[:100], kv_c, k_pe, sc.plan, "fp8_ds_mla")
+
+
+def test_place_caches_checks_the_rank_count_and_shapes():
+    mesh = mesh_of(4)
+    cache = np.zeros((4, 16, 656), np.uint8)
+    for n in (3, 5):
+        with pytest.raises(ValueError, match=rf"per_rank_caches: expected one cache per rank of mesh axis 'dcp' "
+                                             rf"\(4\), got {n}"):
+            full_ckv.place_caches([cache] * n, mesh)
+    with pytest.raises(ValueError, match=r"every rank's cache must be uint8\[4, 16, 656\] .* uint8\[5, 16, 656\] "
+                                         r"for rank 2"):
+        full_ckv.place_caches([cache, cache, np.zeros((5, 16, 656), np.uint8), cache], mesh)
+    with pytest.raises(ValueError, match=r"expected uint8\[num_blocks, block_size, R\] per rank, got float32"):
+        full_ckv.place_caches([cache.astype(np.float32)] * 4, mesh)
+    with pytest.raises(ValueError, match=r"mesh: expected an axis named 'dcp', got axes \('x',\)"):
+        full_ckv.place_caches([cache] * 4, jax.make_mesh((4,), ("x",), devices=mesh.devices.flat))
+
+
+def test_attention_entries_check_their_inputs():
+    sc = dcp_scenario.build(2, 1, "fp8_ds_mla", SEQ_LENS, QUERY_LENS, seed=3)
+    mesh = mesh_of(2)
+    q, topk, sm_scale = _attention_inputs(sc, seed=1)
+    ws = full_ckv.all_gather_ckv(full_ckv.place_caches(sc.caches, mesh), jnp.asarray(sc.block_table), sc.plan,
+                                 mesh=mesh, format="fp8_ds_mla")
+    idx, cnt = full_ckv.remap_topk(topk, sc.plan)
+    t = sc.plan.num_tokens
+
+    def full(**kw):
+        args = dict(q=q, workspace=ws, indices=idx, counts=cnt, sm_scale=sm_scale, format="fp8_ds_mla", mesh=mesh)
+        args.update(kw)
+        return sparse_mla.full_ckv_attention(**args)
+
+    cases = [
+        (dict(format="nvfp4_ds_mla"), ValueError, r"workspace: expected uint8\[N, 432\] for format nvfp4_ds_mla"),
+        (dict(format="bf16"), ValueError, r"workspace: expected uint8\[N, 1152\] for format bf16"),
+        (dict(workspace=ws.astype(jnp.float32)), TypeError, r"workspace: expected uint8\[N, 656\]"),
+        (dict(q=q[..., :512]), ValueError, r"q: expected \[T, H, 576\] \(512 latent \+ 64 RoPE\)"),
+        (dict(counts=cnt[:-1]), ValueError, rf"counts: expected int32\[{t}\] \(one count per query token"),
+        (dict(indices=idx.astype(jnp.int16)), TypeError, rf"indices: expected int32\[{t}, K\]"),
+        (dict(sm_scale=0.0), ValueError, r"sm_scale: expected a positive finite number, got 0.0"),
+        (dict(sm_scale=float("nan")), ValueError, r"sm_scale: expected a positive finite number"),
+        (dict(mesh=jax.make_mesh((2,), ("tp",), devices=mesh.devices.flat)), ValueError,
+         r"mesh: expected an axis named 'dcp', got axes \('tp',\)"),
+    ]
+    for kw, err, pattern in cases:
+        with pytest.raises(err, match=pattern):
+            full(**kw)
+    with pytest.raises(ValueError, match=r"records: expected uint8\[N, 1152\] for format bf16"):
+        sparse_mla.sparse_mla_reference(q, ws, idx, cnt, sm_scale, format="bf16")
+    with pytest.raises(ValueError, match=rf"topk: expected int32\[{t}, K\]"):
+        sparse_mla.stock_dcp_attention(q, full_ckv.place_caches(sc.caches, mesh), sc.block_table, topk[:-1],
+                                       sc.plan, sm_scale, format="fp8_ds_mla", mesh=mesh)
+    with pytest.raises(ValueError, match=r"mesh: axis 'dcp' has size 4, expected the plan's world_size 2"):
+        sparse_mla.stock_dcp_attention(q, full_ckv.place_caches(sc.caches * 2, mesh_of(4)), sc.block_table, topk,
+                                       sc.plan, sm_scale, format="fp8_ds_mla", mesh=mesh_of(4))
+
+
+def test_a_nan_reaches_its_row_and_only_its_row():
+    """A NaN in q[t] or in a record row t selects makes that row's output and lse NaN, on every
+    path (the reference, full-CKV, and stock DCP through the LSE merge); other rows stay finite
+    and an empty row stays (zeros, -inf)."""
+    sc = dcp_scenario.build(2, 1, "bf16", SEQ_LENS, QUERY_LENS, seed=4)
+    mesh = mesh_of(2)
+    caches = full_ckv.place_caches(sc.caches, mesh)
+    q, topk, sm_scale = _attention_inputs(sc, seed=2)
+    q = q.at[0, 0, 0].set(jnp.nan)
+    ws = full_ckv.all_gather_ckv(caches, jnp.asarray(sc.block_table), sc.plan, mesh=mesh, format="bf16")
+    idx, cnt = full_ckv.remap_topk(topk, sc.plan)
+    cnt = cnt.at[5].set(0)                                   # row 5: empty
+    results = {"full": sparse_mla.full_ckv_attention(q, ws, idx, cnt, sm_scale, format="bf16", mesh=mesh),
+               "reference": sparse_mla.sparse_mla_reference(q, ws, idx, cnt, sm_scale, format="bf16")}
+    for path, (out, lse) in results.items():
+        out, lse = np.asarray(out, np.float32), np.asarray(lse)
+        assert np.isnan(out[0, 0]).all() and np.isnan(lse[0, 0]), path
+        assert np.isfinite(out[1:5]).all() and np.isfinite(lse[1:5]).all(), path
+        assert (out[5] == 0).all() and np.isneginf(lse[5]).all(), path
+        assert np.isfinite(out[0, 1:]).all(), f"{path}: other heads of the row are untouched"
+    out, lse = sparse_mla.stock_dcp_attention(q, caches, sc.block_table, topk, sc.plan, sm_scale, format="bf16",
+                                              mesh=mesh)
+    assert np.isnan(np.asarray(out, np.float32)[0, 0]).all() and np.isnan(np.asarray(lse)[0, 0])
+    assert np.isfinite(np.asarray(lse)[1:]).all()
+    # a NaN in a selected record (a bf16 latent of the workspace row row 1 attends first)
+    bad_row = int(idx[1, 0])
+    poisoned = np.asarray(ws).copy()
+    poisoned[bad_row, :2] = np.array([0x7FC0], np.uint16).view(np.uint8)
+    out, lse = sparse_mla.sparse_mla_reference(q, jnp.asarray(poisoned), idx, cnt, sm_scale, format="bf16")
+    rows_using = {t for t in range(sc.plan.num_tokens) if bad_row in np.asarray(idx)[t, :int(cnt[t])]}
+    for t in range(sc.plan.num_tokens):
+        assert np.isnan(np.asarray(lse)[t]).all() == (t in rows_using or t == 0), t
+
+
+def test_outputs_index_like_ordinary_arrays_on_a_default_mesh():
+    sc = dcp_scenario.build(2, 1, "fp8_ds_mla", SEQ_LENS, QUERY_LENS, seed=6)
+    mesh = jax.make_mesh((2,), (full_ckv.DCP_AXIS,), devices=jax.devices("cpu")[:2])   # explicit axis types
+    q, topk, sm_scale = _attention_inputs(sc, seed=3)
+    ws = full_ckv.all_gather_ckv(full_ckv.place_caches(sc.caches, mesh), jnp.asarray(sc.block_table), sc.plan,
+                                 mesh=mesh, format="fp8_ds_mla")
+    idx, cnt = full_ckv.remap_topk(topk, sc.plan)
+    out, lse = sparse_mla.full_ckv_attention(q, ws, idx, cnt, sm_scale, format="fp8_ds_mla", mesh=mesh)
+    assert np.isfinite(float(out[0, 0, 0])) and np.isfinite(float(lse[0, 1])) and ws[0, 0].shape == ()
+    m = full_ckv.dcp_mesh(2, jax.devices("cpu"))
+    assert m.axis_names == (full_ckv.DCP_AXIS,) and m.axis_types == (jax.sharding.AxisType.Auto,)
+    with pytest.raises(ValueError, match=r"world_size: 8 ranks need as many devices, got 4 \(cpu\); on a CPU set"):
+        full_ckv.dcp_mesh(8, jax.devices("cpu"))

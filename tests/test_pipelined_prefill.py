@@ -26,7 +26,7 @@ def make_layer(fmt_name, d):
         return q.astype(jnp.bfloat16), kv[:, :512].astype(jnp.bfloat16), kv[:, 512:].astype(jnp.bfloat16)
 
     def attend(q, workspace, indices, counts):
-        out, _ = sparse_mla._attend_f32(q, workspace, indices, counts, 576 ** -0.5, layout)
+        out, _ = sparse_mla.attend(q, workspace, indices, counts, 576 ** -0.5, layout)
         return out.astype(jnp.bfloat16)
 
     def finish(p, x, out):
