@@ -8,6 +8,11 @@ import sys
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="ckv-jax", description="CKV cache records for sparse-MLA models under DCP")
+    if argv[:1] in (["--version"], ["-V"]):
+        from ckv_jax import __version__
+        print(f"ckv-jax {__version__}")
+        return 0
+    ap.add_argument("--version", "-V", action="store_true", help="print the version and exit")
     ap.add_argument("command", choices=["env", "demo", "bench", "plot"],
                     help="env: versions, devices, lowering; demo: a DCP prefill with depth-N prefetch, checked; "
                          "bench: kernel sweeps and prefill step times to JSON; plot: PNG charts of that JSON")

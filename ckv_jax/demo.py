@@ -70,6 +70,12 @@ def mla_layer(model, fmt, dcp, axis):
     return MlaLayer(project, attend, finish)
 
 
+def _blocks_per_rank(context: int, dcp: int, block_size: int) -> int:
+    """Blocks of one request on one rank: its ceil(context / D) tokens, plus one block for the
+    interleave's uneven split."""
+    return -(-(-(-context // dcp)) // block_size) + 1
+
+
 def reference_step(model, fmt, x, records, plan, topks):
     """One device, no DCP: every layer attends all heads over its records in global token order.
 
@@ -120,14 +126,14 @@ def run(args) -> int:
         print(f"--heads {args.heads} must be divisible by --dcp {dcp}", file=sys.stderr)
         return 2
     mesh = jax.make_mesh((dcp,), (full_ckv.DCP_AXIS,), devices=devices[:dcp])
-    layout = DcpLayout(dcp, 1, args.block_size)
+    layout = DcpLayout(dcp, args.interleave, args.block_size)
     rng = np.random.default_rng(args.seed)
     model = make_model(args.layers, args.heads, args.d_model, rng)
     layer = mla_layer(model, fmt, dcp, full_ckv.DCP_AXIS)
 
     reqs = args.requests
     prefix = args.context // 4
-    blocks_per_rank = -(-(-(-args.context // dcp)) // args.block_size) + 1
+    blocks_per_rank = _blocks_per_rank(args.context, dcp, args.block_size)
     num_blocks = reqs * blocks_per_rank
     table = rng.permutation(num_blocks).reshape(reqs, blocks_per_rank).astype(np.int32)
     cfg = GatherConfig(enabled=True, depth=args.depth, workspace_mib=0, max_tokens=args.context * reqs)
@@ -150,6 +156,7 @@ def run(args) -> int:
     print(f"ckv-jax demo: {args.layers} layers, {reqs} request(s) x {args.context} tokens ({prefix} cached, "
           f"chunks of {args.chunk}), {fmt.name}, DCP {dcp} on {devices[0].platform}, depth {args.depth}", flush=True)
     rows, ok_all, done = [], True, prefix
+    num_steps = -(-(args.context - prefix) // args.chunk)
     while done < args.context:
         q_len = min(args.chunk, args.context - done)
         plan = build_step_plan(layout, np.full(reqs, done + q_len), np.full(reqs, q_len), max_num_seqs=reqs,
@@ -185,7 +192,7 @@ def run(args) -> int:
         ok_all &= ok
         gathered = args.layers * dcp * plan.padded_tokens * fmt.record_bytes
         rows.append((done, q_len, plan.padded_tokens, gathered, outs[args.depth][2], same, err / max(scale, 1e-30), ok))
-        print(f"  step at {done:>6} tokens: depth {args.depth} == depth 0: {same}; "
+        print(f"  step {len(rows)}/{num_steps} at {done:>6} tokens: depth {args.depth} == depth 0: {same}; "
               f"vs single device: max err {err:.2e} of {scale:.2e}", flush=True)
         done += q_len
 
@@ -199,29 +206,72 @@ def run(args) -> int:
     return 0 if ok_all else 1
 
 
+def _format(text):
+    from ckv_jax import formats
+    try:
+        return formats.get(text).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def memory_estimate(args, dcp: int) -> int:
+    """Bytes the demo holds at its peak: every layer's paged caches of all ranks (host copy,
+    device copy and the two depths' trial copies), the single-device reference's records, and
+    the reference attention's gathered keys of one step ([chunk tokens, top-k, 576] float32)."""
+    from ckv_jax import formats
+    record = formats.get(args.format).record_bytes
+    blocks_per_rank = _blocks_per_rank(args.context, dcp, args.block_size)
+    caches = args.layers * args.requests * dcp * blocks_per_rank * args.block_size * record
+    reference = args.layers * args.requests * args.context * record
+    attention = 2 * args.requests * args.chunk * args.topk * 576 * 4
+    return 4 * caches + 2 * reference + attention
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available on this machine (Linux), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ckv-jax demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--format", default="fp8_ds_mla", choices=["fp8_ds_mla", "nvfp4_ds_mla", "bf16"],
-                    help="record format of the paged caches")
+    ap = argparse.ArgumentParser(prog="ckv-jax demo", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--format", type=_format, default="fp8_ds_mla",
+                    help="record format of the paged caches: fp8_ds_mla, nvfp4_ds_mla, bf16 or an alias (fp8, auto, ...)")
     ap.add_argument("--dcp", type=int, default=None,
                     help="DCP ranks (default: 4 virtual CPU devices without an accelerator, else every GPU)")
-    ap.add_argument("--depth", type=int, default=2, help="layers gathered ahead (checked against depth 0)")
+    ap.add_argument("--interleave", type=int, default=1, help="tokens per rank before the next rank (DCP interleave)")
+    ap.add_argument("--depth", type=int, default=2,
+                    help="layers gathered ahead, at most --layers - 1 (checked against depth 0)")
     ap.add_argument("--layers", type=int, default=4, help="MLA layers")
     ap.add_argument("--context", type=int, default=768, help="tokens per request at the end of the prefill")
     ap.add_argument("--chunk", type=int, default=192, help="tokens per prefill step (after a 1/4 cached prefix)")
-    ap.add_argument("--requests", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=2, help="requests prefilled together")
     ap.add_argument("--heads", type=int, default=8, help="query heads (divisible by --dcp)")
-    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--d-model", type=int, default=64, help="model width")
     ap.add_argument("--topk", type=int, default=64, help="indexer top-k per query token")
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--block-size", type=int, default=64, help="tokens per paged-cache block")
+    ap.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and top-k")
     args = ap.parse_args(argv)
     if args.depth < 0:
         ap.error("--depth must be >= 0")
-    for name in ("layers", "context", "chunk", "requests", "heads", "d_model", "topk", "block_size"):
+    for name in ("layers", "context", "chunk", "requests", "heads", "d_model", "topk", "block_size", "interleave"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.dcp is not None and args.dcp <= 0:
         ap.error("--dcp must be positive")
+    if args.depth >= args.layers:
+        ap.error(f"--depth {args.depth}: at most --layers - 1 = {args.layers - 1} (a layer is gathered ahead of "
+                 "the layers before it)")
+    need, have = memory_estimate(args, args.dcp or 4), available_memory()
+    if have is not None and need > 0.8 * have:
+        ap.error(f"--context {args.context} (x {args.requests} requests, {args.layers} layers, top-k {args.topk}) "
+                 f"needs about {need / 2**30:.1f} GiB; this machine has {have / 2**30:.1f} GiB available")
     _configure_devices(args.dcp or 4)
     return run(args)

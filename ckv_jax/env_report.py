@@ -42,6 +42,18 @@ def dlpack_self_check() -> str:
             f"JAX->torch {'zero-copy' if same_out else 'COPIED'})")
 
 
+# a module missing from a plain install -> the extra that provides it
+EXTRAS = {"absl": "mosaic-gpu", "torch": "torch", "flax": "flax", "matplotlib": "bench"}
+
+
+def _extra_for(why: str) -> str:
+    """'; pip install 'ckv-jax[extra]' provides it' when `why` names a module an extra provides."""
+    for module, extra in EXTRAS.items():
+        if f"No module named '{module}" in why:
+            return f"; pip install 'ckv-jax[{extra}]' provides {module}"
+    return ""
+
+
 def report() -> list[tuple[str, str]]:
     import jax
 
@@ -50,15 +62,15 @@ def report() -> list[tuple[str, str]]:
             ("jax", _version("jax") or "?"),
             ("jaxlib", _version("jaxlib") or "?"),
             ("gpu plugin", ", ".join(_gpu_plugins()) or "none"),
-            ("torch", _version("torch") or "not installed"),
+            ("torch", _version("torch") or "not installed (pip install 'ckv-jax[torch]')"),
             ("triton", _version("triton") or "not installed"),
-            ("flax", _version("flax") or "not installed"),
+            ("flax", _version("flax") or "not installed (pip install 'ckv-jax[flax]')"),
             ("backend", jax.default_backend())]
     for d in jax.devices():
         rows.append((f"device {d.id}", f"{d.platform} {d.device_kind} (process {d.process_index})"))
     for backend in ("triton", "mosaic_gpu"):
         ok, why = compat.cuda_lowering_available(backend)
-        rows.append((f"pallas {backend} lowering", ("yes" if ok else "no") + f" ({why})"))
+        rows.append((f"pallas {backend} lowering", ("yes" if ok else "no") + f" ({why}{_extra_for(why)})"))
     rows.append(("dlpack self-check", dlpack_self_check()))
     return rows
 

@@ -2,6 +2,12 @@
 
 Needs torch (`pip install 'ckv-jax[torch]'`); the core library never imports it.
 """
+try:
+    import torch  # noqa: F401
+except ModuleNotFoundError as e:
+    if e.name != "torch":
+        raise
+    raise ModuleNotFoundError("interop needs torch: pip install 'ckv-jax[torch]'", name="torch") from e
 from interop.adapter import TorchCkvAdapter
 from interop.attention_layout import attention_layout, compact_attention_output
 from interop.bridge import (ALIGNMENT, ALLOWED_DTYPES, CudaGraphCaptureError, check_not_capturing, int32_indices,

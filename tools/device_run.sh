@@ -24,7 +24,7 @@ if want examples; then
   step "flax example" 90 python examples/flax_mla.py --dcp 1 2>&1 | tee "$OUT/example_flax.txt"
 fi
 want tune && step "tuning sweep" ${TUNE_TIMEOUT:-420} python -m ckv_jax.benchmarks.tune ${TUNE_ARGS:-} \
-  --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.txt"
+  --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.txt"
 # ncu: one process running each NCU_RUNS entry once (ckv_jax.benchmarks.profile_target), every
 # kernel profiled at the GPU's own clocks with a flushed L2 (ncu's default cache control)
 want ncu && step "ncu" 240 ncu --target-processes all --clock-control none --kernel-name regex:'ckv_|indexSelect|gather_kernel' \

@@ -29,7 +29,9 @@ from pallas_kernels import paged_gather
 BLOCK = 64
 
 
-def run(tokens_list, names, repeats=7, log=print):
+def run(tokens_list, names, repeats=7, log=print, interpret=False):
+    """interpret: off a GPU, run the Pallas gathers in interpret mode (rows marked
+    mode="interpret", without a % of copy) instead of skipping them."""
     results = []
     device = jax.devices()[0]
     for tokens in tokens_list:
@@ -55,7 +57,7 @@ def run(tokens_list, names, repeats=7, log=print):
             ref_raw = np.asarray(paged_gather.gather_records_reference(*inputs[0], num_rows=tokens))
             ref_deq = np.asarray(paged_gather.gather_dequant_reference(*inputs[0], num_rows=tokens,
                                                                         layout=fmt.layout)).view(np.uint16)
-            interp = device.platform != "gpu"       # CPU smoke runs interpret the kernels
+            interp = device.platform != "gpu"
             variants = [
                 ("raw", "pallas_triton", lambda c, b, u: paged_gather.gather_records(
                     c, b, u, num_rows=tokens, implementation="pallas_triton", interpret=interp), ref_raw),
@@ -67,12 +69,16 @@ def run(tokens_list, names, repeats=7, log=print):
                 ("dequant", "xla_reference", lambda c, b, u: paged_gather.gather_dequant_reference(
                     c, b, u, num_rows=tokens, layout=fmt.layout), ref_deq),
             ]
+            if interp and not interpret:
+                log("  skip pallas_triton: needs a GPU (--interpret runs it in interpret mode)")
+                variants = [v for v in variants if v[1] != "pallas_triton"]
             for kind, impl, fn, ref in variants:
                 got = np.asarray(jax.jit(fn)(*inputs[0]))
                 exact = bool(np.array_equal(got.view(ref.dtype), ref))
                 nbytes, ceiling = (raw_bytes, ceiling_raw) if kind == "raw" else (deq_bytes, ceiling_deq)
                 row = dict(op=f"gather_{kind}", format=name, tokens=tokens, implementation=impl,
-                           bytes_moved=nbytes, exact=exact, **result_fields(measure_pure(fn, inputs), nbytes, ceiling))
+                           bytes_moved=nbytes, exact=exact,
+                           **result_fields(measure_pure(fn, inputs), nbytes, ceiling, interp and impl == "pallas_triton"))
                 results.append(row)
                 log(f"  {name:<13} T={tokens:>7} {kind:<8} {impl:<15} {report.timing_text(row)} exact={exact}")
             t = torch_index_select_timing(cache_np.reshape(cache_np.shape[0], -1), pages)
@@ -86,16 +92,21 @@ def run(tokens_list, names, repeats=7, log=print):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="131072,524288")
-    ap.add_argument("--formats", default="fp8_ds_mla,nvfp4_ds_mla")
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--json")
+    from ckv_jax.benchmarks import suite
+    ap = argparse.ArgumentParser(prog="python -m ckv_jax.benchmarks.gather", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--tokens", type=suite.positive_ints("--tokens"), default="131072,524288",
+                    help="records gathered per call")
+    ap.add_argument("--formats", type=suite.format_names, default="fp8_ds_mla,nvfp4_ds_mla",
+                    help="record formats (names or aliases)")
+    ap.add_argument("--repeats", type=suite.positive_int("--repeats"), default=7, help="timed calls per case")
+    ap.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode off a GPU")
+    ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args(argv)
     print(f"gather benchmark on {jax.devices()[0].device_kind} (jax {jax.__version__})", flush=True)
-    results = run([int(t) for t in args.tokens.split(",")], args.formats.split(","), args.repeats,
-                  log=lambda *a: print(*a, flush=True))
-    return report.finish(results, [("op", "op", 14), ("format", "format", 13), ("tokens", "tokens", 7)], args.json)
+    results = run([t - t % BLOCK or BLOCK for t in args.tokens], args.formats, args.repeats,
+                  log=lambda *a: print(*a, flush=True), interpret=args.interpret)
+    return report.finish(results, [("op", "op", 14), ("format", "format", 13), ("tokens", "tokens", 7)], args.out)
 
 
 if __name__ == "__main__":

@@ -2,30 +2,48 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 
 import jax
 
 # (header, key, width, format) of the columns of a benchmark row; the device_* ones are absent
 # where there is no device timeline (CPU), and print as "-"
-_COLUMNS = [("impl", "implementation", 19, "s"), ("us", "us", 9, ".1f"), ("GB/s", "gbps", 6, ".0f"),
-            ("copy", "ceiling_gbps", 6, ".0f"), ("%copy", "pct_of_copy", 6, ".0f"),
+_COLUMNS = [("impl", "implementation", 19, "s"), ("mode", "mode", 9, "s"), ("us", "us", 9, ".1f"),
+            ("GB/s", "gbps", 7, ".3g"), ("copy", "ceiling_gbps", 7, ".3g"), ("%copy", "pct_of_copy", 6, ".0f"),
             ("dev us", "device_us", 9, ".1f"), ("%copy", "device_pct_of_copy", 6, ".0f"), ("exact", "exact", 5, "")]
 
 
 def timing_text(row: dict) -> str:
-    """One row's times for a progress line: host clock, then the device timeline if measured."""
-    text = f"{row['us']:.1f} us {row['gbps']:.0f} GB/s ({row['pct_of_copy']:.0f}% of copy)"
+    """One row's times for a progress line: host clock, then the device timeline if measured.
+    Rates keep three significant digits (a slow CPU run is 0.0412 GB/s, never "0 GB/s")."""
+    text = f"{row['us']:.1f} us {row['gbps']:.3g} GB/s"
+    text += " (interpret mode)" if row.get("mode") == "interpret" else f" ({row['pct_of_copy']:.0f}% of copy)"
     if "device_us" in row:
         text += f", device {row['device_us']:.1f} us ({row['device_pct_of_copy']:.1f}% of copy)"
     return text
 
 
 def _cell(row: dict, key: str, width: int, fmt: str) -> str:
-    if key not in row:
+    if row.get(key) is None:
         return f"{'-':>{width}}"
     if fmt and fmt != "s":
         return f"{row[key]:>{width}{fmt}}"
     return f"{str(row[key]):<{width}}"
+
+
+class Progress:
+    """`[i/N] what  elapsed, about S s left` lines on stderr, one per finished unit of work."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+
+    def step(self, what: str):
+        self.done += 1
+        elapsed = time.perf_counter() - self.start
+        left = elapsed / self.done * (self.total - self.done)
+        print(f"[{self.done}/{self.total}] {what}: {elapsed:.0f} s elapsed, about {left:.0f} s left",
+              file=sys.stderr, flush=True)
 
 
 def finish(results: list[dict], leading: list[tuple[str, str, int]], json_path: str | None) -> int:
@@ -33,7 +51,8 @@ def finish(results: list[dict], leading: list[tuple[str, str, int]], json_path: 
     (header, key, width) first, and return 0 iff every row was exact."""
     if json_path:
         with open(json_path, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, results=results), f, indent=1)
+            json.dump(dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
+                           results=results), f, indent=1)
     cols = [(h, k, w, "s") for h, k, w in leading] + _COLUMNS
     print("\n" + " ".join(f"{h:>{w}}" if f and f != "s" else f"{h:<{w}}" for h, _, w, f in cols))
     for r in results:

@@ -3,6 +3,9 @@
   ckv-jax bench [--ops writer,gather,patch,prefill] [--tokens 65536,262144] [--formats fp8_ds_mla]
                 [--depths 0,1,2,3] [--context 32768] [--prefill-chunk 1024] [--out results.json]
 
+Without a GPU the defaults are CPU-sized (small sizes, XLA only; `--interpret` adds the Pallas
+kernels in interpret mode, whose rows are marked and get no % of copy).
+
 Every kernel figure is validated against its reference before it is timed and sits beside its
 baselines from the same run (see writer.py and gather.py); `patch` times the current-chunk patch
 (a scatter of `--chunk` re-encoded tokens into a gathered workspace of 4 * `tokens` rows);
@@ -28,13 +31,73 @@ from ckv_jax.benchmarks.timing import fastest, measure_copy, measure_in_place, r
 from pallas_kernels import cache_writer
 
 
-def _progress(done, total, what):
-    width = 24
-    filled = int(width * done / max(total, 1))
-    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what:<60}", end="", file=sys.stderr, flush=True)
+OPS = ("writer", "gather", "patch", "prefill")
+PATTERNS = ("sequential", "random")
+# (GPU default, CPU default) of the options whose sizes only make sense on a GPU
+DEFAULTS = dict(tokens=("65536,262144,1048576", "4096"), chunk=(8192, 512), prefill_chunk=(1024, 128),
+                depths=("0,1,2,3", "0,1"), layers=(8, 2), context=(32768, 2048), repeats=(5, 3))
 
 
-def patch_results(tokens_list, names, chunk, repeats, log):
+def positive_ints(option):
+    """An argparse type for `option`: comma-separated positive ints."""
+    def parse(text):
+        try:
+            values = [int(v) for v in str(text).split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+        if min(values) <= 0:
+            raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+        return values
+    return parse
+
+
+def positive_int(option):
+    """An argparse type for `option`: one positive int."""
+    def parse(text):
+        values = positive_ints(option)(text)
+        if len(values) != 1:
+            raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+        return values[0]
+    return parse
+
+
+def depth_list(text):
+    try:
+        values = [int(v) for v in str(text).split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated depths >= 0, got {text!r}") from None
+    if min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected depths >= 0, got {text!r}")
+    return values
+
+
+def format_names(text):
+    """An argparse type: comma-separated record format names or aliases -> canonical names."""
+    names = []
+    for name in str(text).split(","):
+        try:
+            names.append(formats.get(name).name)
+        except (ValueError, KeyError) as e:
+            raise argparse.ArgumentTypeError(str(e).strip("'\"")) from None
+    return names
+
+
+def one_of(allowed):
+    """An argparse type: comma-separated values, each among `allowed`."""
+    def parse(text):
+        values = str(text).split(",")
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; expected among {', '.join(allowed)}")
+        return values
+    return parse
+
+
+slot_patterns = one_of(PATTERNS)
+op_names = one_of(OPS)
+
+
+def patch_results(tokens_list, names, chunk, repeats, log, interpret=False):
     """The patch: `chunk` tokens re-encoded and scattered into a workspace of 4 * tokens rows."""
     results = []
     device = jax.devices()[0]
@@ -54,11 +117,15 @@ def patch_results(tokens_list, names, chunk, repeats, log):
             reference = None
             for impl in cache_writer.DEFAULT_ORDER:
                 entry = cache_writer.IMPLEMENTATIONS[impl]
+                interpreted = False
                 if not entry.supported_on(device, rows * fmt.record_bytes)[0]:
-                    continue
+                    if not interpret or impl == "xla":
+                        log(f"  patch: skip {impl} (needs a GPU; --interpret runs it in interpret mode)")
+                        continue
+                    interpreted = True
 
-                def op(ws, kv_c, k_pe, dest, run=entry.run):
-                    return run(ws, kv_c, k_pe, dest, layout=fmt.layout)
+                def op(ws, kv_c, k_pe, dest, run=entry.run, interpreted=interpreted):
+                    return run(ws, kv_c, k_pe, dest, layout=fmt.layout, interpret=interpreted)
 
                 ws = jnp.zeros((rows, 1, fmt.record_bytes), jnp.uint8)
                 got = np.asarray(jax.jit(op)(ws, *inputs[0]))
@@ -68,7 +135,7 @@ def patch_results(tokens_list, names, chunk, repeats, log):
                 timing, _ = measure_in_place(op, ws, inputs)
                 row = dict(op="patch", format=name, tokens=tokens, chunk=chunk, implementation=impl,
                            bytes_moved=moved, exact=bool(np.array_equal(got, reference)),
-                           **result_fields(timing, moved, ceiling))
+                           **result_fields(timing, moved, ceiling, interpreted))
                 results.append(row)
                 log(f"  patch {name} rows={rows} chunk={chunk} {impl}: {report.timing_text(row)}")
     return results
@@ -99,7 +166,11 @@ def prefill_results(depths, fmt_name, layers, context, chunk, log):
     idx, cnt = full_ckv.remap_topk(jnp.asarray(topk), plan)
     idx, cnt = jnp.stack([idx] * layers), jnp.stack([cnt] * layers)
     x = jnp.asarray(rng.standard_normal((plan.num_tokens, 256)), jnp.float32)
-    host_caches = [np.asarray(rng.integers(0, 256, (blocks, 64, fmt.record_bytes), dtype=np.uint8))] * dcp
+    # real records (finite scales): random bytes would decode to NaNs, which the attention propagates
+    kv = rng.standard_normal((512, 512)).astype(jnp.bfloat16)
+    pe = rng.standard_normal((512, 64)).astype(jnp.bfloat16)
+    pages = np.asarray(fmt.encode(jnp.asarray(kv), jnp.asarray(pe))).reshape(8, 64, fmt.record_bytes)
+    host_caches = [np.tile(pages, (blocks // 8 + 1, 1, 1))[:blocks]] * dcp
     results, outputs = [], {}
     for depth in depths:
         caches = [full_ckv.place_caches(host_caches, mesh) for _ in range(layers)]
@@ -128,50 +199,61 @@ def prefill_results(depths, fmt_name, layers, context, chunk, log):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ckv-jax bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", default="writer,gather,patch,prefill")
-    ap.add_argument("--tokens", default="65536,262144,1048576", help="tokens per op (per rank shard for gathers)")
-    ap.add_argument("--formats", default="fp8_ds_mla,nvfp4_ds_mla")
-    ap.add_argument("--patterns", default="sequential,random", help="writer slot patterns")
-    ap.add_argument("--chunk", type=int, default=8192, help="current-chunk tokens of the patch")
-    ap.add_argument("--prefill-chunk", type=int, default=1024,
-                    help="query tokens of the prefill step (its reference attention materializes "
+    on_gpu = jax.default_backend() == "gpu"
+    default = {k: v[0 if on_gpu else 1] for k, v in DEFAULTS.items()}
+    ap = argparse.ArgumentParser(prog="ckv-jax bench", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 epilog=f"Defaults shown are this machine's ({'GPU' if on_gpu else 'CPU'}-sized).")
+    ap.add_argument("--ops", type=op_names, default=",".join(OPS), help="what to run: " + ", ".join(OPS))
+    ap.add_argument("--tokens", type=positive_ints("--tokens"), default=default["tokens"],
+                    help="[writer, gather, patch] tokens per call (per rank shard for gathers; patch: a "
+                         "workspace of 4 x tokens rows)")
+    ap.add_argument("--formats", type=format_names, default="fp8_ds_mla,nvfp4_ds_mla",
+                    help="[all] record formats, names or aliases (prefill: the first)")
+    ap.add_argument("--patterns", type=slot_patterns, default="sequential,random",
+                    help="[writer] slot patterns: " + ", ".join(PATTERNS))
+    ap.add_argument("--chunk", type=positive_int("--chunk"), default=default["chunk"],
+                    help="[patch] current-chunk tokens re-encoded into the workspace")
+    ap.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=default["prefill_chunk"],
+                    help="[prefill] query tokens of the step (its reference attention materializes "
                          "[chunk, 2048, 576] float32 per layer)")
-    ap.add_argument("--depths", default="0,1,2,3")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--context", type=int, default=32768, help="prefill context tokens")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default="results.json")
+    ap.add_argument("--depths", type=depth_list, default=default["depths"], help="[prefill] prefetch depths")
+    ap.add_argument("--layers", type=positive_int("--layers"), default=default["layers"], help="[prefill] layers")
+    ap.add_argument("--context", type=positive_int("--context"), default=default["context"],
+                    help="[prefill] context tokens of the request")
+    ap.add_argument("--repeats", type=positive_int("--repeats"), default=default["repeats"],
+                    help="[writer, gather, patch] timed calls per case")
+    ap.add_argument("--interpret", action="store_true",
+                    help="[writer, gather, patch] off a GPU, also run the Pallas kernels in interpret mode "
+                         "(marked rows, no %% of copy)")
+    ap.add_argument("--out", default="results.json", help="the JSON results file")
     args = ap.parse_args(argv)
-    ops = args.ops.split(",")
-    unknown = set(ops) - {"writer", "gather", "patch", "prefill"}
-    if unknown:
-        ap.error(f"--ops: unknown {sorted(unknown)}; expected writer, gather, patch, prefill")
-    tokens = [int(t) for t in args.tokens.split(",")]
-    names = args.formats.split(",")
-    for name in names:
-        formats.get(name)
+    if "gather" in args.ops and any(t < 64 for t in args.tokens):
+        ap.error("--tokens: the gathers move whole 64-record pages; expected at least 64")
+    names = args.formats
     meta = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
                 command="ckv-jax bench " + " ".join(argv if argv is not None else sys.argv[2:]))
     results = []
-    def log(line):                                       # each case as it finishes
-        print("\r" + line, flush=True)
 
-    for i, op in enumerate(ops):
-        _progress(i, len(ops), f"{op} ...")
+    def log(line):                                       # each case as it finishes
+        print(line, flush=True)
+
+    units = [(op, t, n) for op in args.ops if op != "prefill" for t in args.tokens for n in names]
+    units += [("prefill", args.context, names[0])] if "prefill" in args.ops else []
+    progress = report.Progress(len(units))
+    for op, tokens, name in units:
         if op == "writer":
-            results += writer.run(tokens, names, args.patterns.split(","), args.repeats, log=log)
+            results += writer.run([tokens], [name], args.patterns, args.repeats, log=log, interpret=args.interpret)
         elif op == "gather":
-            results += gather.run([t - t % 64 or 64 for t in tokens], names, args.repeats, log=log)
+            results += gather.run([tokens - tokens % 64], [name], args.repeats, log=log, interpret=args.interpret)
         elif op == "patch":
-            results += patch_results(tokens, names, args.chunk, args.repeats, log)
+            results += patch_results([tokens], [name], args.chunk, args.repeats, log, args.interpret)
         else:
-            results += prefill_results([int(d) for d in args.depths.split(",")], names[0], args.layers,
-                                       args.context, min(args.prefill_chunk, args.context), log)
-        with open(args.out, "w") as f:                   # after every op, so a cut-off sweep keeps its figures
+            results += prefill_results(args.depths, name, args.layers, args.context,
+                                       min(args.prefill_chunk, args.context), log)
+        progress.step(f"{op} {name} {tokens} tokens")
+        with open(args.out, "w") as f:                   # after every unit, so a cut-off sweep keeps its figures
             json.dump(dict(meta, results=results), f, indent=1)
-    _progress(len(ops), len(ops), "done")
-    print(file=sys.stderr)
     for r in results:
         times = report.timing_text(r) if "gbps" in r else f"{r['us']:.1f} us"
         print(f"{r['op']:<14} {r['format']:<13} {r['tokens']:>8} {r.get('depth', r.get('pattern', '')):<10} "

@@ -38,12 +38,16 @@ def fastest(timings) -> Timing:
     return Timing(min(t.seconds for t in timings), min(device) if device else None)
 
 
-def result_fields(timing: Timing, moved: int, ceiling: Timing) -> dict:
+def result_fields(timing: Timing, moved: int, ceiling: Timing, interpreted: bool = False) -> dict:
     """A benchmark row's timing columns for `moved` bytes (read + written): us, gbps,
     ceiling_gbps, pct_of_copy on the host clock, and their device_* twins where both the timing
-    and the copy ceiling have a device time."""
+    and the copy ceiling have a device time.  An interpreted kernel (Pallas interpret mode) is
+    marked mode="interpret" and gets no % of copy: its time says nothing about the kernel."""
     fields = dict(us=timing.seconds * 1e6, gbps=moved / timing.seconds / 1e9,
-                  ceiling_gbps=moved / ceiling.seconds / 1e9, pct_of_copy=100 * ceiling.seconds / timing.seconds)
+                  ceiling_gbps=moved / ceiling.seconds / 1e9)
+    if interpreted:
+        return dict(fields, mode="interpret")
+    fields["pct_of_copy"] = 100 * ceiling.seconds / timing.seconds
     if timing.device_seconds is not None and ceiling.device_seconds is not None:
         fields.update(device_us=timing.device_seconds * 1e6, device_gbps=moved / timing.device_seconds / 1e9,
                       device_ceiling_gbps=moved / ceiling.device_seconds / 1e9,

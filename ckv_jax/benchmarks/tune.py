@@ -2,7 +2,7 @@
 
   python -m ckv_jax.benchmarks.tune [--ops gather_records,gather_dequant,gather_slots,write_records]
                                     [--formats fp8_ds_mla,nvfp4_ds_mla] [--tokens N,...] [--requests N]
-                                    [--json tune.json]
+                                    [--out tune.json]
 
 Per op, format and size, in one process: the copy ceiling of the same bytes (the faster of an XLA
 and a torch contiguous copy), the XLA implementation, the torch op doing the same movement where
@@ -93,7 +93,7 @@ def _timed(log, results, row):
     device = (f" | device {row['device_us']:9.1f} us {row['device_pct_of_copy']:5.1f}%" if "device_us" in row
               else "")
     log(f"  {row['op']:<15} {row['format']:<13} {row['size']:>8} {row['implementation']:<16} {cfg:<44} "
-        f"{row['us']:9.1f} us {row['gbps']:6.0f} GB/s {row['pct_of_copy']:5.1f}%{device} exact={row['exact']}")
+        f"{row['us']:9.1f} us {row['gbps']:6.3g} GB/s {row['pct_of_copy']:5.1f}%{device} exact={row['exact']}")
 
 
 def same_bits(got: np.ndarray, ref: np.ndarray) -> bool:
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default=None, help="comma-separated sizes for every op (default: SIZES)")
     ap.add_argument("--requests", type=int, default=1,
                     help="requests sharing the tokens of a paged gather (the table is built from one)")
-    ap.add_argument("--json", default="tune.json")
+    ap.add_argument("--out", default="tune.json", help="the JSON results file")
     ap.add_argument("--table-from", nargs="+", metavar="JSON", default=None,
                     help="measure nothing: print the TABLE rows of earlier sweeps' JSON files (times averaged)")
     ap.add_argument("--device-kind", default="NVIDIA H200", help="with --table-from: the device kind of the rows")
@@ -357,7 +357,7 @@ def main(argv=None) -> int:
             sweep_writer(names, log, results)
         else:
             ap.error(f"--ops: unknown {op!r}")
-        with open(args.json, "w") as f:
+        with open(args.out, "w") as f:
             json.dump(dict(meta, results=results), f, indent=1)
     print_table(results, device.device_kind)
     return 0 if all(r["exact"] for r in results) else 1

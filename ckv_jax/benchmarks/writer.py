@@ -1,6 +1,6 @@
 """Paged-cache writer benchmark: effective bandwidth next to a device copy of the same bytes.
 
-  python -m ckv_jax.benchmarks.writer [--tokens 65536,262144,1048576] [--formats ...] [--json out.json]
+  python -m ckv_jax.benchmarks.writer [--tokens 65536,262144,1048576] [--formats ...] [--out out.json]
 
 Bytes counted per token: kv_c and k_pe read (bf16), the int32 slot read, the record written.
 The ceiling is the faster of two contiguous device-to-device copies of that many bytes (read +
@@ -40,7 +40,9 @@ def make_inputs(fmt, tokens, repeats, pattern, key):
     return num_slots // BLOCK_SIZE, out
 
 
-def run(tokens_list, names, patterns, repeats=5, log=print):
+def run(tokens_list, names, patterns, repeats=5, log=print, interpret=False):
+    """interpret: run the Pallas implementations in interpret mode where they need a GPU
+    (rows marked mode="interpret", without a % of copy)."""
     device = jax.devices()[0]
     results = []
     for tokens in tokens_list:
@@ -58,13 +60,14 @@ def run(tokens_list, names, patterns, repeats=5, log=print):
                 for impl in cache_writer.DEFAULT_ORDER:
                     ok, why = cache_writer.IMPLEMENTATIONS[impl].supported_on(
                         device, num_blocks * BLOCK_SIZE * fmt.record_bytes)
-                    if not ok:
-                        log(f"  skip {impl}: {why}")
+                    interpreted = not ok and interpret and impl != "xla"
+                    if not ok and not interpreted:
+                        log(f"  skip {impl}: {why}" + (" (--interpret)" if impl != "xla" else ""))
                         continue
                     run_impl = cache_writer.IMPLEMENTATIONS[impl].run
 
-                    def op(cache, kv_c, k_pe, slots, run_impl=run_impl):
-                        return run_impl(cache, kv_c, k_pe, slots, layout=fmt.layout)
+                    def op(cache, kv_c, k_pe, slots, run_impl=run_impl, interpreted=interpreted):
+                        return run_impl(cache, kv_c, k_pe, slots, layout=fmt.layout, interpret=interpreted)
 
                     cache = jnp.zeros((num_blocks, BLOCK_SIZE, fmt.record_bytes), jnp.uint8)
                     checked = np.asarray(jax.jit(op)(cache, *inputs[0]))
@@ -77,24 +80,29 @@ def run(tokens_list, names, patterns, repeats=5, log=print):
                                implementation=impl, bytes_moved=moved, exact=exact,
                                xla_copy_gbps=moved / xla_copy.seconds / 1e9,
                                torch_copy_gbps=moved / torch_copy.seconds / 1e9 if torch_copy else None,
-                               **result_fields(timing, moved, ceiling))
+                               **result_fields(timing, moved, ceiling, interpreted))
                     results.append(row)
                     log(f"  {name:<13} T={tokens:>8} {pattern:<10} {impl:<14} {report.timing_text(row)}  exact={exact}")
     return results
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="65536,262144,1048576")
-    ap.add_argument("--formats", default="fp8_ds_mla,nvfp4_ds_mla,bf16")
-    ap.add_argument("--patterns", default="sequential,random")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", help="write the results here")
+    from ckv_jax.benchmarks import suite
+    ap = argparse.ArgumentParser(prog="python -m ckv_jax.benchmarks.writer", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--tokens", type=suite.positive_ints("--tokens"), default="65536,262144,1048576",
+                    help="tokens per write")
+    ap.add_argument("--formats", type=suite.format_names, default="fp8_ds_mla,nvfp4_ds_mla,bf16",
+                    help="record formats (names or aliases)")
+    ap.add_argument("--patterns", type=suite.slot_patterns, default="sequential,random", help="slot patterns")
+    ap.add_argument("--repeats", type=suite.positive_int("--repeats"), default=5, help="timed calls per case")
+    ap.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode off a GPU")
+    ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args(argv)
     print(f"writer benchmark on {jax.devices()[0].device_kind} (jax {jax.__version__})", flush=True)
-    results = run([int(t) for t in args.tokens.split(",")], args.formats.split(","),
-                  args.patterns.split(","), args.repeats, log=lambda *a: print(*a, flush=True))
-    return report.finish(results, [("format", "format", 13), ("tokens", "tokens", 8), ("slots", "pattern", 10)], args.json)
+    results = run(args.tokens, args.formats, args.patterns, args.repeats, log=lambda *a: print(*a, flush=True),
+                  interpret=args.interpret)
+    return report.finish(results, [("format", "format", 13), ("tokens", "tokens", 8), ("slots", "pattern", 10)], args.out)
 
 
 if __name__ == "__main__":
