@@ -255,7 +255,7 @@ def test_attention_entries_check_their_inputs():
     mesh = mesh_of(2)
     q, topk, sm_scale = _attention_inputs(sc, seed=1)
     ws = full_ckv.all_gather_ckv(full_ckv.place_caches(sc.caches, mesh), jnp.asarray(sc.block_table), sc.plan,
-                                 mesh=mesh, format="fp8_ds_mla")
+                                 mesh=mesh, format="fp8_ds_mla", implementation="xla")
     idx, cnt = full_ckv.remap_topk(topk, sc.plan)
     t = sc.plan.num_tokens
 
@@ -298,7 +298,8 @@ def test_a_nan_reaches_its_row_and_only_its_row():
     caches = full_ckv.place_caches(sc.caches, mesh)
     q, topk, sm_scale = _attention_inputs(sc, seed=2)
     q = q.at[0, 0, 0].set(jnp.nan)
-    ws = full_ckv.all_gather_ckv(caches, jnp.asarray(sc.block_table), sc.plan, mesh=mesh, format="bf16")
+    ws = full_ckv.all_gather_ckv(caches, jnp.asarray(sc.block_table), sc.plan, mesh=mesh, format="bf16",
+                                 implementation="xla")
     idx, cnt = full_ckv.remap_topk(topk, sc.plan)
     cnt = cnt.at[5].set(0)                                   # row 5: empty
     results = {"full": sparse_mla.full_ckv_attention(q, ws, idx, cnt, sm_scale, format="bf16", mesh=mesh),
@@ -328,7 +329,7 @@ def test_outputs_index_like_ordinary_arrays_on_a_default_mesh():
     mesh = jax.make_mesh((2,), (full_ckv.DCP_AXIS,), devices=jax.devices("cpu")[:2])   # explicit axis types
     q, topk, sm_scale = _attention_inputs(sc, seed=3)
     ws = full_ckv.all_gather_ckv(full_ckv.place_caches(sc.caches, mesh), jnp.asarray(sc.block_table), sc.plan,
-                                 mesh=mesh, format="fp8_ds_mla")
+                                 mesh=mesh, format="fp8_ds_mla", implementation="xla")
     idx, cnt = full_ckv.remap_topk(topk, sc.plan)
     out, lse = sparse_mla.full_ckv_attention(q, ws, idx, cnt, sm_scale, format="fp8_ds_mla", mesh=mesh)
     assert np.isfinite(float(out[0, 0, 0])) and np.isfinite(float(lse[0, 1])) and ws[0, 0].shape == ()
