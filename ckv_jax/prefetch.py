@@ -49,15 +49,16 @@ def supports_lookahead(format) -> bool:
     return formats.get(format).name in LOOKAHEAD_FORMATS
 
 
-def prefetch_tiles(device: jax.Device, programs: int | None = None) -> GatherTiles:
-    """The pack config of a prefetch (a gather issued ahead, which runs beside the caller's
-    compute): `programs` persistent programs, by default one per two SMs, each moving 64-record
-    tiles.  A full grid (or one program per SM, whose tiles fill an SM's registers) keeps every
-    SM busy until the gather ends, so the kernels another stream launches meanwhile wait for it;
-    half the SMs leave the other half to them (measured on the H200: BENCHMARKS.md, "Torch
-    adapter overlap")."""
-    if programs is None:
-        programs = max(1, (getattr(device, "core_count", 0) or 8) // 2)
+def prefetch_tiles(device: jax.Device, programs: int) -> GatherTiles:
+    """The pack config of a prefetch with a bounded SM footprint: `programs` persistent programs
+    (e.g. one per two SMs, `device.core_count // 2`), each moving 64-record tiles.  A full grid
+    keeps every SM busy until the gather ends, so kernels another stream launches meanwhile wait
+    for it; a bounded grid leaves the other SMs to them.  Measured on the H200 (BENCHMARKS.md,
+    "Torch adapter overlap"): that hides the gather under compute that leaves SMs idle, but
+    slows compute that fills every SM (matmuls) by more than it hides, where the full grid does
+    better; so the full grid is the default and this is the caller's choice."""
+    if programs <= 0:
+        raise ValueError(f"programs: expected a positive number of persistent programs, got {programs}")
     return GatherTiles(rows_per_tile=64, num_warps=8, programs=programs)
 
 
@@ -151,9 +152,8 @@ class PrefetchOrchestrator:
         if self.memory.depth and not self.depth:
             log.debug("format %s has no lookahead; gathering synchronously", self.fmt.name)
         self.pool = pool_type(mesh, self.memory, layout.world_size, self.fmt.record_bytes, **(pool_args or {}))
-        # prefetches pack with a bounded grid (0: the same grid as a synchronous gather)
-        self.prefetch_tiles = None if prefetch_programs == 0 else prefetch_tiles(mesh.devices.flat[0],
-                                                                                   prefetch_programs)
+        # prefetches pack with the full grid of a synchronous gather unless given a bounded one
+        self.prefetch_tiles = prefetch_tiles(mesh.devices.flat[0], prefetch_programs) if prefetch_programs else None
         self._slot_bytes = layout.world_size * self.memory.capacity * self.fmt.record_bytes
         self._patch_run = None
         self.implementation = implementation

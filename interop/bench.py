@@ -264,8 +264,8 @@ def main(argv=None) -> int:
                     help="torch streams (default %(default)s)")
     ap.add_argument("--trials", type=int, default=5, help="timed steps per row (default %(default)s)")
     ap.add_argument("--prefetch-programs", type=int, default=None,
-                    help="persistent programs of a prefetch's pack (default: one per SM; 0: the full grid)")
-    ap.add_argument("--pack-programs", type=_ints, default=[66, 132, 264],
+                    help="persistent programs of a prefetch's pack (default: the full grid)")
+    ap.add_argument("--pack-programs", type=_ints, default=[33, 66, 132],
                     help="persistent grids whose standalone pack bandwidth is measured (default %(default)s)")
     ap.add_argument("--out", default="interop.json", help="JSON results (default %(default)s)")
     args = ap.parse_args(argv)

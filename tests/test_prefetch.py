@@ -76,7 +76,7 @@ class Engine:
     """A torch-engine-like driver: per step and layer, write the chunk into the layer's paged
     cache (the real writer, through the DCP slot mapping), then ask the orchestrator."""
 
-    def __init__(self, d, fmt, depth, seed=3):
+    def __init__(self, d, fmt, depth, seed=3, **orchestrator_args):
         self.layers = [dcp_scenario.build(d, 1, fmt, FINAL_LENS, FINAL_LENS, seed=seed, kv_seed=50 + l,
                                           written=STEPS[0][0]) for l in range(LAYERS)]
         self.mesh = mesh_of(d)
@@ -84,7 +84,7 @@ class Engine:
         self.caches = [full_ckv.place_caches(sc.caches, self.mesh) for sc in self.layers]
         self.orch = PrefetchOrchestrator(self.mesh, self.layout, fmt, max_num_seqs=4,
                                          config=GatherConfig(enabled=True, depth=depth, workspace_mib=0,
-                                                             max_tokens=512))
+                                                             max_tokens=512), **orchestrator_args)
 
     def chunk(self, l, hist, q):
         sc = self.layers[l]
@@ -217,3 +217,18 @@ def test_a_gather_writes_straight_into_its_ring_slot(d):
     assert not [c for c in moved if "dynamic-update-slice" not in c], moved     # no copy of the slot
     assert len(moved) == (0 if d == 1 else 1), moved
     assert "u8[" in hlo, "the check above must see the uint8 buffers"
+
+
+def test_a_bounded_prefetch_pack_gives_the_same_bytes():
+    """Prefetches packed by a few persistent programs (`prefetch_programs`, the Pallas Triton
+    pack in interpret mode) give the synchronous bytes, and sync gathers keep the full grid."""
+    engine = Engine(2, "fp8_ds_mla", 2, implementation="pallas_triton", interpret=True, prefetch_programs=3)
+    assert engine.orch.prefetch_tiles.programs == 3
+    for s, (hist, q) in enumerate(STEPS):
+        plan, workspaces = engine.step(hist, q)
+        for l, ws in enumerate(workspaces):
+            want = dcp_scenario.expected_workspace(engine.layers[l], seq_lens=hist + q, plan=plan)
+            np.testing.assert_array_equal(ws, want, err_msg=f"step {s} layer {l}")
+    assert [how for _, _, how, _ in engine.orch.decisions] == ["sync", "prefetched", "prefetched", "prefetched"]
+    with pytest.raises(ValueError, match="programs: expected a positive number"):
+        prefetch.prefetch_tiles(engine.mesh.devices.flat[0], -1)

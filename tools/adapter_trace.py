@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--depths", default="0,2")
     ap.add_argument("--sleep-ms", type=float, default=2.5, help="torch compute per layer (default %(default)s)")
     ap.add_argument("--label", default="", help="title of the picture")
+    ap.add_argument("--prefetch-programs", type=int, default=None,
+                    help="persistent programs of a prefetch's pack (default: the adapter's)")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.abspath(args.code))
     import torch
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
     panels, listing = {}, {}
     side = torch.cuda.Stream()
     for depth in [int(d) for d in args.depths.split(",")]:
-        adapter = work.adapter(depth)
+        adapter = work.adapter(depth) if args.prefetch_programs is None else work.adapter(depth, args.prefetch_programs)
         with torch.cuda.stream(side):
             for _ in range(2):                    # the first step discovers the caches, the second compiles
                 work.step(adapter, sleep)
