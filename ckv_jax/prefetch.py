@@ -275,8 +275,9 @@ class PrefetchOrchestrator:
                 raise ValueError(f"kv_c: expected [{plan.num_tokens}, {self.fmt.nope_dim}] (the step's query "
                                  f"tokens), got {validation.describe(kv_c)}")
             slot = ring[index]
-            ring[index] = full_ckv.patch_placed(slot, kv_c, k_pe, self._rows, after, layout=self.fmt.layout,
-                                                run=self._patch_run, interpret=self.interpret)
+            ring[index] = _donating(index, lambda: full_ckv.patch_placed(
+                slot, kv_c, k_pe, self._rows, after, layout=self.fmt.layout, run=self._patch_run,
+                interpret=self.interpret))
             _check_reused(slot, index)
             ws, how = ring[index], "prefetched"
         else:
@@ -295,21 +296,37 @@ class PrefetchOrchestrator:
         validation.check_cache(self.fmt, cache)             # the table was checked at begin_step
         self.pool.check_writable(state.lane, index)
         slot = ring[index]
-        ring[index] = _gather_slot(slot, cache, self._table, self._local_cu, after, mesh=self.mesh,
-                                   axis_name=self.axis_name, num_rows=self._plan.padded_tokens,
-                                   implementation=full_ckv.static_implementation(self.implementation),
-                                   interpret=self.interpret, tiles=tiles)
+        ring[index] = _donating(index, lambda: _gather_slot(
+            slot, cache, self._table, self._local_cu, after, mesh=self.mesh, axis_name=self.axis_name,
+            num_rows=self._plan.padded_tokens, implementation=full_ckv.static_implementation(self.implementation),
+            interpret=self.interpret, tiles=tiles))
         _check_reused(slot, index)
         return ring[index]
 
 
+def _still_referenced(index: int) -> RuntimeError:
+    return RuntimeError(f"CKV workspace ring slot {index} is still referenced (a workspace returned by an "
+                        "earlier gather is alive outside ckv-jax); drop it before its slot is reused")
+
+
 def _check_reused(slot, index: int):
     """A ring slot is donated to its next use.  One that something else still references (a torch
-    view of a workspace returned earlier) cannot be, and XLA would silently allocate a new buffer
-    instead; the pool never grows, so that is an error."""
+    view of a workspace returned earlier) cannot be: XLA on a CPU silently allocates a new buffer
+    instead (caught here, after the call), on a GPU it refuses the call (`_donating`); the pool
+    never grows, so either is this error."""
     if not slot.is_deleted():
-        raise RuntimeError(f"CKV workspace ring slot {index} is still referenced (a workspace returned by an "
-                           "earlier gather is alive outside ckv-jax); drop it before its slot is reused")
+        raise _still_referenced(index)
+
+
+def _donating(index: int, call):
+    """call(), which donates ring slot `index`; XLA's refusal to donate a buffer that a DLPack
+    export still references becomes the slot's error."""
+    try:
+        return call()
+    except (jax.errors.JaxRuntimeError, ValueError) as e:     # jax 0.11 raises INVALID_ARGUMENT as ValueError
+        if "external reference" not in str(e):
+            raise
+        raise _still_referenced(index) from e
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "num_rows", "implementation", "interpret", "tiles"),

@@ -140,6 +140,32 @@ def test_the_event_path_is_on_and_uses_jax_compute_stream():
     adapter.close()
 
 
+@pytest.mark.parametrize("ordering", ["cuda-events", "dlpack"])
+def test_a_view_held_past_its_slot_reuse_is_an_error(ordering):
+    """One slot (depth 0): layer 1 reuses layer 0's.  A sub-view of the returned workspace that
+    is still alive makes the reuse raise, before anything is written; dropped, it goes through."""
+    engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), 2, device="cuda")
+    adapter = _adapter(0, ordering)
+    hist, q = STEPS[0]
+    plan = engine.plan(hist, q, min_world_size=1)
+    assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table)
+    kv, pe = engine.chunk(plan.num_tokens)
+    adapter.set_current_chunk(kv, pe)
+    held = adapter.gather(0, engine.caches[0])[:adapter.rows]       # only a view of the workspace
+    before = held.clone()
+    adapter.set_current_chunk(kv, pe)
+    with pytest.raises(RuntimeError, match="slot 0 is still referenced"):
+        adapter.gather(1, engine.caches[1])
+    torch.cuda.synchronize()
+    assert torch.equal(held, before), "the refused reuse must not have written the slot"
+    del held
+    adapter.set_current_chunk(kv, pe)
+    ws = adapter.gather(1, engine.caches[1])
+    assert ws.shape[1] == 656
+    del ws
+    adapter.close()
+
+
 def test_without_the_private_api_the_adapter_falls_back_and_says_so(monkeypatch, caplog):
     from interop import stream_handoff
     monkeypatch.setattr(stream_handoff, "_PROBED", {})
