@@ -30,6 +30,19 @@ def replicated(mesh: jax.sharding.Mesh, *arrays):
     return [jax.device_put(jnp.asarray(a), sharding) for a in arrays]
 
 
+def mesh_axis_size(mesh, axis_name: str = DCP_AXIS, world_size: int | None = None) -> int:
+    """The size of `axis_name` in `mesh` (checked to equal `world_size`, the plan's, if given),
+    or an error naming the mesh's axes."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis_name not in mesh.shape:
+        raise ValueError(f"mesh: expected an axis named {axis_name!r}, got axes {tuple(mesh.shape)}")
+    size = mesh.shape[axis_name]
+    if world_size is not None and size != world_size:
+        raise ValueError(f"mesh: axis {axis_name!r} has size {size}, expected the plan's world_size {world_size}")
+    return size
+
+
 def auto_axes(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
     """`mesh` with every axis of type Auto (the same devices and names).  Arrays sharded over an
     Explicit axis refuse plain indexing (`out[0, 0]`); the library's outputs live on this copy so
@@ -137,12 +150,7 @@ def all_gather_ckv(caches, block_table, plan: StepPlan, *, mesh: jax.sharding.Me
       `o * P + plan.rank_req_starts[o, r] + local`, zeros past each rank's total.
     """
     fmt = formats.get(format)
-    d = plan.world_size
-    if axis_name not in mesh.shape:
-        raise ValueError(f"mesh: expected an axis named {axis_name!r}, got axes {tuple(mesh.shape)}")
-    if mesh.shape[axis_name] != d:
-        raise ValueError(f"mesh: axis {axis_name!r} has size {mesh.shape[axis_name]}, expected the plan's "
-                         f"world_size {d}")
+    d = mesh_axis_size(mesh, axis_name, plan.world_size)
     validation.check_cache(fmt, caches)
     if caches.shape[0] % d:
         raise ValueError(f"caches: expected D * num_blocks rows on axis 0 (D={d}), got {validation.describe(caches)}")
@@ -312,12 +320,11 @@ def _write_dcp_jit(caches, kv_c, k_pe, slots, *, mesh, axis_name, layout, implem
 def place_caches(per_rank_caches, mesh: jax.sharding.Mesh, axis_name: str = DCP_AXIS):
     """Stack per-rank caches u8[num_blocks, block_size, R] (one per rank, host or device) into the
     sharded u8[D * num_blocks, block_size, R] that `all_gather_ckv` takes."""
-    if axis_name not in mesh.shape:
-        raise ValueError(f"mesh: expected an axis named {axis_name!r}, got axes {tuple(mesh.shape)}")
+    d = mesh_axis_size(mesh, axis_name)
     caches = [np.asarray(c) for c in per_rank_caches]
-    if len(caches) != mesh.shape[axis_name]:
+    if len(caches) != d:
         raise ValueError(f"per_rank_caches: expected one cache per rank of mesh axis {axis_name!r} "
-                         f"({mesh.shape[axis_name]}), got {len(caches)}")
+                         f"({d}), got {len(caches)}")
     first = caches[0]
     if first.ndim != 3 or first.dtype != np.uint8:
         raise ValueError(f"per_rank_caches: expected uint8[num_blocks, block_size, R] per rank, got "

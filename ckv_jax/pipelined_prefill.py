@@ -73,9 +73,7 @@ def prefill_layers(x, caches: Sequence[jax.Array], params: Sequence[Any], block_
         raise ValueError(f"params: expected one entry per layer ({num_layers}), got {len(params)}")
     for cache in caches:
         validation.check_cache(fmt, cache)
-    if mesh.shape.get(axis_name) != plan.world_size:
-        raise ValueError(f"mesh: axis {axis_name!r} has size {mesh.shape.get(axis_name)}, expected the plan's "
-                         f"world_size {plan.world_size}")
+    full_ckv.mesh_axis_size(mesh, axis_name, plan.world_size)
     full_ckv.check_block_table(plan, block_table)
     arrays = _step_arrays(plan, block_table)
     x, table, local_cu, slots, rows, indices, counts = full_ckv.replicated(

@@ -32,12 +32,9 @@ def check_attention_inputs(q, records, indices, counts, sm_scale, fmt: formats.R
     float dtype, `records` u8[N, R] of `fmt`, indices i32[T, K], counts i32[T], a positive finite
     sm_scale (when it is a host number)."""
     check_query(q, fmt)
-    validation.check_array(records_name, records, (jnp.uint8,), f"[N, {fmt.record_bytes}]", 2)
-    if records.shape[1] != fmt.record_bytes:
-        raise ValueError(f"{records_name}: expected uint8[N, {fmt.record_bytes}] for format {fmt.name}, "
-                         f"got {validation.describe(records)}")
-    check_rows("indices", indices, q.shape[0])
+    validation.check_records(fmt, records, name=records_name, rows="N")
     t = q.shape[0]
+    check_rows("indices", indices, t)
     validation.check_array("counts", counts, (jnp.int32,), f"[{t}]", 1)
     if counts.shape[0] != t:
         raise ValueError(f"counts: expected int32[{t}] (one count per query token of q), "
@@ -67,15 +64,6 @@ def check_sm_scale(sm_scale):
             raise ValueError(f"sm_scale: expected a positive finite number, got {sm_scale!r}")
     elif isinstance(sm_scale, bool) or not hasattr(sm_scale, "dtype"):
         raise TypeError(f"sm_scale: expected a number, got {type(sm_scale).__name__}")
-
-
-def check_mesh_axis(mesh, axis_name: str) -> int:
-    """The size of `axis_name` in `mesh`, or a ValueError naming the axes it has."""
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if axis_name not in mesh.shape:
-        raise ValueError(f"mesh: expected an axis named {axis_name!r}, got axes {tuple(mesh.shape)}")
-    return mesh.shape[axis_name]
 
 
 def attend(q, records, indices, counts, sm_scale, layout):
@@ -154,7 +142,7 @@ def full_ckv_attention(q, workspace, indices, counts, sm_scale, *, format: str |
     by heads on an Auto-typed copy of `mesh`, so they index like ordinary arrays.
     """
     fmt = formats.get(format)
-    d = check_mesh_axis(mesh, axis_name)
+    d = full_ckv.mesh_axis_size(mesh, axis_name)
     check_attention_inputs(q, workspace, indices, counts, sm_scale, fmt, records_name="workspace")
     if q.shape[1] % d:
         raise ValueError(f"q: expected a head count divisible by the DCP size {d}, got {q.shape[1]}")
@@ -180,9 +168,7 @@ def stock_dcp_attention(q, caches, block_table, topk, plan: StepPlan, sm_scale, 
     global positions.  Returns out bf16[T, H, 512], lse f32[T, H], replicated.
     """
     fmt = formats.get(format)
-    d = check_mesh_axis(mesh, axis_name)
-    if d != plan.world_size:
-        raise ValueError(f"mesh: axis {axis_name!r} has size {d}, expected the plan's world_size {plan.world_size}")
+    full_ckv.mesh_axis_size(mesh, axis_name, plan.world_size)
     validation.check_cache(fmt, caches)
     t = plan.num_tokens
     check_query(q, fmt)

@@ -60,10 +60,11 @@ def check_values(fmt, kv_c, k_pe) -> int:
     return kv_c.shape[0]
 
 
-def check_records(fmt, records):
-    check_array("records", records, (jnp.uint8,), f"[T, {fmt.record_bytes}]", 2)
+def check_records(fmt, records, *, name: str = "records", rows: str = "T"):
+    """uint8[rows, R] records of `fmt`; `name` and `rows` are what the error calls them."""
+    check_array(name, records, (jnp.uint8,), f"[{rows}, {fmt.record_bytes}]", 2)
     if records.shape[1] != fmt.record_bytes:
-        raise ValueError(f"records: expected uint8[T, {fmt.record_bytes}] for format {fmt.name}, "
+        raise ValueError(f"{name}: expected uint8[{rows}, {fmt.record_bytes}] for format {fmt.name}, "
                          f"got {describe(records)}")
 
 

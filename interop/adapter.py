@@ -52,6 +52,11 @@ from interop import bridge, stream_handoff
 log = logging.getLogger("ckv_jax.interop")
 
 
+def _replicated_on(mesh: jax.sharding.Mesh, local: jax.Array) -> jax.Array:
+    """This process's single-device array as the replicated global array of `mesh`."""
+    return jax.make_array_from_single_device_arrays(local.shape, NamedSharding(mesh, P()), [local])
+
+
 class TorchWorkspacePool(WorkspacePool):
     """Ring slots in torch's memory (so the engine's allocator accounts for them), imported into
     JAX once; JAX writes each gather and patch into them in place (the slot is donated and the
@@ -64,8 +69,7 @@ class TorchWorkspacePool(WorkspacePool):
         def allocate(rows, record_bytes):
             t = torch.zeros((rows, record_bytes), dtype=torch.uint8, device=device)
             tensors.append(t)
-            local = bridge.to_jax(t, name="workspace slot", device=jax_device)
-            return jax.make_array_from_single_device_arrays(local.shape, NamedSharding(mesh, P()), [local])
+            return _replicated_on(mesh, bridge.to_jax(t, name="workspace slot", device=jax_device))
 
         super().__init__(mesh, plan, world_size, record_bytes, allocate=allocate)
         self._tensors = [tensors[lane * plan.slots:(lane + 1) * plan.slots] for lane in range(plan.lanes)]
@@ -275,7 +279,7 @@ class TorchCkvAdapter:
 
     def _replicated(self, local: jax.Array, tensor: torch.Tensor) -> jax.Array:
         self._keepalive.append(tensor)
-        return jax.make_array_from_single_device_arrays(local.shape, NamedSharding(self.mesh, P()), [local])
+        return _replicated_on(self.mesh, local)
 
     def _cache(self, lane, layer_idx, kv_cache: torch.Tensor) -> jax.Array:
         """The global sharded cache u8[D * num_blocks, block_size, R], imported once per tensor."""

@@ -9,53 +9,80 @@ import statistics
 import sys
 import time
 
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import jax
-import jax.numpy as jnp
-import torch
 
-from interop.bench import Workload
-from ckv_jax import prefetch, full_ckv
-def med(fn, n=300):
-    for _ in range(20): fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter(); fn(); ts.append(time.perf_counter() - t)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+
+from ckv_jax import full_ckv, prefetch, validation  # noqa: E402
+from interop.bench import Workload  # noqa: E402
+
+
+def median_us(fn, calls=300, warmup=20) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
     torch.cuda.synchronize()
-    return statistics.median(ts) * 1e6
-work = Workload(4096, 4096, 2)
-a = work.adapter(1)
-work.step(a); work.step(a); torch.cuda.synchronize()
-o = a.orch; st = o.lane("target"); ring = o.pool.ring(st.lane)
-cache = a._caches[("target", 0)][2]
-kw = dict(mesh=o.mesh, axis_name="dcp", num_rows=o._plan.padded_tokens, implementation=None, interpret=False)
-box = [ring[0]]
-def g():
-    box[0] = prefetch._gather_slot(box[0], cache, o._table, o._local_cu, None, **kw)
-print("gather_slot jit", med(g))
-comp = prefetch._gather_slot.lower(box[0], cache, o._table, o._local_cu, None, **kw).compile()
-def gc():
-    box[0] = comp(box[0], cache, o._table, o._local_cu, None)
-print("gather_slot compiled", med(gc))
-kvj, pej = full_ckv.replicated(o.mesh, jnp.zeros((4096, 512), jnp.bfloat16), jnp.zeros((4096, 64), jnp.bfloat16))
-def p():
-    box[0] = full_ckv.patch_placed(box[0], kvj, pej, o._rows, None, layout=o.fmt.layout, run=o._patch_run)
-print("patch jit", med(p))
-ident = jax.jit(lambda x: x + 0, donate_argnums=0)
-y = [full_ckv.replicated(o.mesh, jnp.zeros((64,), jnp.int32))[0]]
-def t():
-    y[0] = ident(y[0])
-print("trivial donated jit (mesh sharding)", med(t))
-z = [jnp.zeros((64,), jnp.int32)]
-def t2():
-    z[0] = ident(z[0])
-print("trivial donated jit (single device)", med(t2))
-ev = a.events; s = torch.cuda.current_stream()
-print("event pair both ways", med(lambda: (ev.jax_after_torch(s), ev.torch_after_jax(s))))
-print("current_stream", med(lambda: torch.cuda.current_stream(ev.device)))
-buf = torch.empty(4096, 512, dtype=torch.bfloat16, device="cuda")
-print("torch copy_ 4096x512", med(lambda: buf.copy_(work.kv)))
-print("is_pending+check_cache", med(lambda: (o.is_pending(1), __import__("ckv_jax.validation").validation.check_cache(o.fmt, cache))))
-print("tensor_of+view", med(lambda: o.pool.tensor_of(ring[1])[:]))
-print("check_writable", med(lambda: o.pool.check_writable(st.lane, 1)))
+    return statistics.median(times) * 1e6
+
+
+class Donated:
+    """A donated buffer threaded through repeated calls: each call consumes the last result."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def call(self, fn, *args, **kwargs):
+        self.array = fn(self.array, *args, **kwargs)
+
+
+def main():
+    work = Workload(4096, 4096, 2)
+    adapter = work.adapter(1)
+    for _ in range(2):                       # discover the caches, then compile the prefetch path
+        work.step(adapter)
+    torch.cuda.synchronize()
+    orch = adapter.orch
+    lane = orch.lane("target")
+    ring = orch.pool.ring(lane.lane)
+    cache = adapter._caches[("target", 0)][2]
+    static = dict(mesh=orch.mesh, axis_name=full_ckv.DCP_AXIS, num_rows=orch._plan.padded_tokens,
+                  implementation=None, interpret=False)
+    slot = Donated(ring[0])
+    rows = []
+    rows.append(("gather_slot jit", median_us(
+        lambda: slot.call(prefetch._gather_slot, cache, orch._table, orch._local_cu, None, **static))))
+    compiled = prefetch._gather_slot.lower(slot.array, cache, orch._table, orch._local_cu, None, **static).compile()
+    rows.append(("gather_slot compiled", median_us(
+        lambda: slot.call(compiled, cache, orch._table, orch._local_cu, None))))
+    kv_c, k_pe = full_ckv.replicated(orch.mesh, jnp.zeros((4096, 512), jnp.bfloat16),
+                                     jnp.zeros((4096, 64), jnp.bfloat16))
+    rows.append(("patch jit", median_us(
+        lambda: slot.call(full_ckv.patch_placed, kv_c, k_pe, orch._rows, None, layout=orch.fmt.layout,
+                          run=orch._patch_run))))
+    identity = jax.jit(lambda x: x + 0, donate_argnums=0)
+    on_mesh = Donated(full_ckv.replicated(orch.mesh, jnp.zeros((64,), jnp.int32))[0])
+    rows.append(("trivial donated jit (mesh sharding)", median_us(lambda: on_mesh.call(identity))))
+    single = Donated(jnp.zeros((64,), jnp.int32))
+    rows.append(("trivial donated jit (single device)", median_us(lambda: single.call(identity))))
+    events, stream = adapter.events, torch.cuda.current_stream()
+    rows.append(("event pair both ways", median_us(
+        lambda: (events.jax_after_torch(stream), events.torch_after_jax(stream)))))
+    rows.append(("current_stream", median_us(lambda: torch.cuda.current_stream(events.device))))
+    buf = torch.empty(4096, 512, dtype=torch.bfloat16, device="cuda")
+    rows.append(("torch copy_ 4096x512", median_us(lambda: buf.copy_(work.kv))))
+    rows.append(("is_pending+check_cache", median_us(
+        lambda: (orch.is_pending(1), validation.check_cache(orch.fmt, cache)))))
+    rows.append(("tensor_of+view", median_us(lambda: orch.pool.tensor_of(ring[1])[:])))
+    rows.append(("check_writable", median_us(lambda: orch.pool.check_writable(lane.lane, 1))))
+    for name, us in rows:
+        print(f"{name:<40} {us:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()

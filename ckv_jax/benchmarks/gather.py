@@ -13,7 +13,6 @@ against the XLA reference before it is timed.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
@@ -93,15 +92,8 @@ def run(tokens_list, names, repeats=7, log=print, interpret=False):
 
 def main(argv=None) -> int:
     from ckv_jax.benchmarks import suite
-    ap = argparse.ArgumentParser(prog="python -m ckv_jax.benchmarks.gather", description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--tokens", type=suite.positive_ints("--tokens"), default="131072,524288",
-                    help="records gathered per call")
-    ap.add_argument("--formats", type=suite.format_names, default="fp8_ds_mla,nvfp4_ds_mla",
-                    help="record formats (names or aliases)")
-    ap.add_argument("--repeats", type=suite.positive_int("--repeats"), default=7, help="timed calls per case")
-    ap.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode off a GPU")
-    ap.add_argument("--out", help="write the results here as JSON")
+    ap = suite.sweep_parser("gather", __doc__.splitlines()[0], tokens="131072,524288",
+                            formats_default="fp8_ds_mla,nvfp4_ds_mla", repeats=7)
     args = ap.parse_args(argv)
     print(f"gather benchmark on {jax.devices()[0].device_kind} (jax {jax.__version__})", flush=True)
     results = run([t - t % BLOCK or BLOCK for t in args.tokens], args.formats, args.repeats,

@@ -38,27 +38,23 @@ DEFAULTS = dict(tokens=("65536,262144,1048576", "4096"), chunk=(8192, 512), pref
                 depths=("0,1,2,3", "0,1"), layers=(8, 2), context=(32768, 2048), repeats=(5, 3))
 
 
-def positive_ints(option):
-    """An argparse type for `option`: comma-separated positive ints."""
-    def parse(text):
-        try:
-            values = [int(v) for v in str(text).split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
-        if min(values) <= 0:
-            raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-        return values
-    return parse
+def positive_ints(text):
+    """An argparse type: comma-separated positive ints."""
+    try:
+        values = [int(v) for v in str(text).split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
-def positive_int(option):
-    """An argparse type for `option`: one positive int."""
-    def parse(text):
-        values = positive_ints(option)(text)
-        if len(values) != 1:
-            raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
-        return values[0]
-    return parse
+def positive_int(text):
+    """An argparse type: one positive int."""
+    values = positive_ints(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+    return values[0]
 
 
 def depth_list(text):
@@ -95,6 +91,20 @@ def one_of(allowed):
 
 slot_patterns = one_of(PATTERNS)
 op_names = one_of(OPS)
+
+
+def sweep_parser(module: str, description: str, *, tokens: str, formats_default: str,
+                 repeats: int) -> argparse.ArgumentParser:
+    """The options the standalone sweeps (`python -m ckv_jax.benchmarks.<module>`) share with
+    `ckv-jax bench`: --tokens, --formats, --repeats, --interpret and --out."""
+    ap = argparse.ArgumentParser(prog=f"python -m ckv_jax.benchmarks.{module}", description=description,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--tokens", type=positive_ints, default=tokens, help="tokens per call")
+    ap.add_argument("--formats", type=format_names, default=formats_default, help="record formats (names or aliases)")
+    ap.add_argument("--repeats", type=positive_int, default=repeats, help="timed calls per case")
+    ap.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode off a GPU")
+    ap.add_argument("--out", help="write the results here as JSON")
+    return ap
 
 
 def patch_results(tokens_list, names, chunk, repeats, log, interpret=False):
@@ -205,23 +215,23 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                  epilog=f"Defaults shown are this machine's ({'GPU' if on_gpu else 'CPU'}-sized).")
     ap.add_argument("--ops", type=op_names, default=",".join(OPS), help="what to run: " + ", ".join(OPS))
-    ap.add_argument("--tokens", type=positive_ints("--tokens"), default=default["tokens"],
+    ap.add_argument("--tokens", type=positive_ints, default=default["tokens"],
                     help="[writer, gather, patch] tokens per call (per rank shard for gathers; patch: a "
                          "workspace of 4 x tokens rows)")
     ap.add_argument("--formats", type=format_names, default="fp8_ds_mla,nvfp4_ds_mla",
                     help="[all] record formats, names or aliases (prefill: the first)")
     ap.add_argument("--patterns", type=slot_patterns, default="sequential,random",
                     help="[writer] slot patterns: " + ", ".join(PATTERNS))
-    ap.add_argument("--chunk", type=positive_int("--chunk"), default=default["chunk"],
+    ap.add_argument("--chunk", type=positive_int, default=default["chunk"],
                     help="[patch] current-chunk tokens re-encoded into the workspace")
-    ap.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=default["prefill_chunk"],
+    ap.add_argument("--prefill-chunk", type=positive_int, default=default["prefill_chunk"],
                     help="[prefill] query tokens of the step (its reference attention materializes "
                          "[chunk, 2048, 576] float32 per layer)")
     ap.add_argument("--depths", type=depth_list, default=default["depths"], help="[prefill] prefetch depths")
-    ap.add_argument("--layers", type=positive_int("--layers"), default=default["layers"], help="[prefill] layers")
-    ap.add_argument("--context", type=positive_int("--context"), default=default["context"],
+    ap.add_argument("--layers", type=positive_int, default=default["layers"], help="[prefill] layers")
+    ap.add_argument("--context", type=positive_int, default=default["context"],
                     help="[prefill] context tokens of the request")
-    ap.add_argument("--repeats", type=positive_int("--repeats"), default=default["repeats"],
+    ap.add_argument("--repeats", type=positive_int, default=default["repeats"],
                     help="[writer, gather, patch] timed calls per case")
     ap.add_argument("--interpret", action="store_true",
                     help="[writer, gather, patch] off a GPU, also run the Pallas kernels in interpret mode "

@@ -10,7 +10,6 @@ the XLA reference before it is timed.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
@@ -88,16 +87,9 @@ def run(tokens_list, names, patterns, repeats=5, log=print, interpret=False):
 
 def main(argv=None) -> int:
     from ckv_jax.benchmarks import suite
-    ap = argparse.ArgumentParser(prog="python -m ckv_jax.benchmarks.writer", description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--tokens", type=suite.positive_ints("--tokens"), default="65536,262144,1048576",
-                    help="tokens per write")
-    ap.add_argument("--formats", type=suite.format_names, default="fp8_ds_mla,nvfp4_ds_mla,bf16",
-                    help="record formats (names or aliases)")
+    ap = suite.sweep_parser("writer", __doc__.splitlines()[0], tokens="65536,262144,1048576",
+                            formats_default="fp8_ds_mla,nvfp4_ds_mla,bf16", repeats=5)
     ap.add_argument("--patterns", type=suite.slot_patterns, default="sequential,random", help="slot patterns")
-    ap.add_argument("--repeats", type=suite.positive_int("--repeats"), default=5, help="timed calls per case")
-    ap.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode off a GPU")
-    ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args(argv)
     print(f"writer benchmark on {jax.devices()[0].device_kind} (jax {jax.__version__})", flush=True)
     results = run(args.tokens, args.formats, args.patterns, args.repeats, log=lambda *a: print(*a, flush=True),
