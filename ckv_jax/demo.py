@@ -12,7 +12,6 @@ CPU devices itself; on GPUs it uses them.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 
@@ -25,49 +24,6 @@ def _configure_devices(dcp: int):
         jax.config.update("jax_num_cpu_devices", max(dcp, 1))
     except RuntimeError:       # backends already running (called from a live session): run() reports
         pass                   # a --dcp larger than the devices that exist
-
-
-@dataclasses.dataclass
-class Model:
-    params: list
-    heads: int
-    d_model: int
-    sm_scale: float
-
-
-def make_model(layers, heads, d_model, rng):
-    import jax.numpy as jnp
-    params = [dict(w_kv=jnp.asarray(rng.standard_normal((d_model, 576)) * 0.3, jnp.float32),
-                   w_q=jnp.asarray(rng.standard_normal((d_model, heads * 576)) * 0.1, jnp.float32),
-                   w_o=jnp.asarray(rng.standard_normal((heads * 512, d_model)) * 0.01, jnp.float32))
-              for _ in range(layers)]
-    return Model(params, heads, d_model, 576 ** -0.5)
-
-
-def mla_layer(model, fmt, dcp, axis):
-    """The layer as one DCP rank sees it: its own heads, all-gathered before the output projection."""
-    import jax.numpy as jnp
-    from jax import lax
-
-    from ckv_jax import sparse_mla
-    from ckv_jax.pipelined_prefill import MlaLayer
-    local = model.heads // dcp
-
-    def project(p, x):
-        q = (x @ p["w_q"]).reshape(x.shape[0], model.heads, 576)
-        q = lax.dynamic_slice_in_dim(q, lax.axis_index(axis) * local, local, axis=1)
-        kv = x @ p["w_kv"]
-        return q.astype(jnp.bfloat16), kv[:, :512].astype(jnp.bfloat16), kv[:, 512:].astype(jnp.bfloat16)
-
-    def attend(q, workspace, indices, counts):
-        out, _ = sparse_mla.attend(q, workspace, indices, counts, model.sm_scale, fmt.layout)
-        return out.astype(jnp.bfloat16)
-
-    def finish(p, x, out):
-        heads = lax.all_gather(out, axis, axis=1, tiled=True)
-        return x + heads.reshape(x.shape[0], -1).astype(jnp.float32) @ p["w_o"]
-
-    return MlaLayer(project, attend, finish)
 
 
 def _blocks_per_rank(context: int, dcp: int, block_size: int) -> int:
@@ -110,8 +66,9 @@ def run(args) -> int:
     import jax
     import jax.numpy as jnp
 
-    from ckv_jax import formats, full_ckv
+    from ckv_jax import formats, full_ckv, placement
     from ckv_jax.dcp_layout import DcpLayout
+    from ckv_jax.mla_model import make_model, mla_layer
     from ckv_jax.pipelined_prefill import prefill_layers
     from ckv_jax.prefetch_config import GatherConfig, memory_plan
     from ckv_jax.step_plan import build_step_plan
@@ -125,11 +82,11 @@ def run(args) -> int:
     if args.heads % dcp:
         print(f"--heads {args.heads} must be divisible by --dcp {dcp}", file=sys.stderr)
         return 2
-    mesh = jax.make_mesh((dcp,), (full_ckv.DCP_AXIS,), devices=devices[:dcp])
+    mesh = jax.make_mesh((dcp,), (placement.DCP_AXIS,), devices=devices[:dcp])
     layout = DcpLayout(dcp, args.interleave, args.block_size)
     rng = np.random.default_rng(args.seed)
     model = make_model(args.layers, args.heads, args.d_model, rng)
-    layer = mla_layer(model, fmt, dcp, full_ckv.DCP_AXIS)
+    layer = mla_layer(model, fmt, dcp, placement.DCP_AXIS)
 
     reqs = args.requests
     prefix = args.context // 4
@@ -138,7 +95,7 @@ def run(args) -> int:
     table = rng.permutation(num_blocks).reshape(reqs, blocks_per_rank).astype(np.int32)
     cfg = GatherConfig(enabled=True, depth=args.depth, workspace_mib=0, max_tokens=args.context * reqs)
     mem = memory_plan(layout, fmt, max_num_seqs=reqs, config=cfg)
-    caches = [full_ckv.place_caches([np.zeros((num_blocks, args.block_size, fmt.record_bytes), np.uint8)] * dcp, mesh)
+    caches = [placement.place_caches([np.zeros((num_blocks, args.block_size, fmt.record_bytes), np.uint8)] * dcp, mesh)
               for _ in range(args.layers)]
     records = [[np.zeros((0, fmt.record_bytes), np.uint8) for _ in range(reqs)] for _ in range(args.layers)]
 

@@ -57,7 +57,7 @@ def _extra_for(why: str) -> str:
 def report() -> list[tuple[str, str]]:
     import jax
 
-    from pallas_kernels import _pallas_compat as compat
+    from pallas_kernels import compat
     rows = [("python", platform.python_version()),
             ("jax", _version("jax") or "?"),
             ("jaxlib", _version("jaxlib") or "?"),

@@ -17,32 +17,24 @@ import dataclasses
 import jax
 
 from pallas_kernels import record_codec
-from pallas_kernels.record_codec import RecordLayout
+from pallas_kernels.record_layout import RecordLayout
 
 
 @dataclasses.dataclass(frozen=True)
 class RecordFormat:
-    """A named record format.  `quantized` formats carry their own per-tile/per-group scales."""
+    """A named record format.  `quantized` formats carry their own per-tile/per-group scales;
+    `lookahead` formats may be gathered ahead of their layer (depth-N prefetch) and patched
+    there, others are gathered synchronously (upstream prefetches its quantized formats only)."""
     name: str
     layout: RecordLayout
     description: str = ""
     aliases: tuple[str, ...] = ()
+    lookahead: bool = False
 
-    @property
-    def record_bytes(self) -> int:
-        return self.layout.record_bytes
-
-    @property
-    def nope_dim(self) -> int:
-        return self.layout.nope_dim
-
-    @property
-    def rope_dim(self) -> int:
-        return self.layout.rope_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.layout.value_dim
+    record_bytes = property(lambda self: self.layout.record_bytes, doc="bytes per record")
+    nope_dim = property(lambda self: self.layout.nope_dim, doc="latent (NoPE) values per record")
+    rope_dim = property(lambda self: self.layout.rope_dim, doc="RoPE values per record")
+    value_dim = property(lambda self: self.layout.value_dim, doc="decoded values per record: NoPE then RoPE")
 
     @property
     def quantized(self) -> bool:
@@ -99,10 +91,10 @@ def names() -> list[str]:
 FP8_DS_MLA = register(RecordFormat(
     "fp8_ds_mla", RecordLayout("fp8_tiles", nope_dim=512, rope_dim=64, quant_block=128),
     "e4m3fn NoPE with one float32 scale per 128-element tile, bf16 RoPE (DeepSeek-V3.2 / GLM-5)",
-    aliases=("fp8", "fp8_e4m3")))
+    aliases=("fp8", "fp8_e4m3"), lookahead=True))
 NVFP4_DS_MLA = register(RecordFormat(
     "nvfp4_ds_mla", RecordLayout("nvfp4_groups", nope_dim=512, rope_dim=64, quant_block=16, pad_bytes=16),
-    "packed e2m1 NoPE with one e4m3 scale per 16-element group, 16 zero bytes, bf16 RoPE"))
+    "packed e2m1 NoPE with one e4m3 scale per 16-element group, 16 zero bytes, bf16 RoPE", lookahead=True))
 BF16 = register(RecordFormat(
     "bf16", RecordLayout("bf16", nope_dim=512, rope_dim=64),
     "bf16 NoPE then bf16 RoPE, unquantized", aliases=("auto", "bfloat16")))

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ckv_jax import formats, full_ckv, validation
+from ckv_jax import dcp_step, formats, placement
+from ckv_jax.placement import DCP_AXIS
 from ckv_jax.step_plan import StepPlan
-from pallas_kernels import cache_writer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,15 +36,9 @@ class MlaLayer:
     finish: Callable
 
 
-def _step_arrays(plan: StepPlan, block_table):
-    """Host arrays the loop needs, identical on every rank (indexed by rank inside)."""
-    return dict(slots=full_ckv.dcp_slot_mapping(plan, block_table), rows=full_ckv.chunk_rows(plan),
-                local_cu=plan.local_cu_seq_lens, table=np.asarray(block_table).astype(np.int32))
-
-
 def prefill_layers(x, caches: Sequence[jax.Array], params: Sequence[Any], block_table, plan: StepPlan,
                    topk_indices, topk_counts, *, layer: MlaLayer, depth: int, mesh: jax.sharding.Mesh,
-                   format: str, axis_name: str = full_ckv.DCP_AXIS, implementation=None,
+                   format: str | formats.RecordFormat, axis_name: str = DCP_AXIS, implementation=None,
                    interpret: bool = False, return_workspaces: bool = False, compiled_text: bool = False):
     """Run L layers of one pure-prefill step with depth-N prefetch of the full-CKV gathers.
 
@@ -60,8 +51,7 @@ def prefill_layers(x, caches: Sequence[jax.Array], params: Sequence[Any], block_
       topk_indices, topk_counts: i32[L, T, K], i32[L, T] per-layer top-k already remapped to
         workspace rows (`remap_topk`).
       depth: layers gathered ahead (0 = synchronous).
-      compiled_text: return the optimized HLO of the step's program instead of running it (for
-        `collective_schedule`).
+      compiled_text: return the optimized HLO of the step's program instead of running it.
     Returns:
       (x after the last layer, the L updated caches[, u8[L, D * P, R] workspaces each layer used]).
     """
@@ -72,71 +62,43 @@ def prefill_layers(x, caches: Sequence[jax.Array], params: Sequence[Any], block_
     if len(params) != num_layers:
         raise ValueError(f"params: expected one entry per layer ({num_layers}), got {len(params)}")
     for cache in caches:
-        validation.check_cache(fmt, cache)
-    full_ckv.mesh_axis_size(mesh, axis_name, plan.world_size)
-    full_ckv.check_block_table(plan, block_table)
-    arrays = _step_arrays(plan, block_table)
-    x, table, local_cu, slots, rows, indices, counts = full_ckv.replicated(
-        mesh, x, arrays["table"], arrays["local_cu"], arrays["slots"], arrays["rows"], topk_indices, topk_counts)
-    params = jax.tree.map(lambda a: full_ckv.replicated(mesh, a)[0], list(params))
-    fn = _compiled_loop(mesh, axis_name, num_layers, layer, depth, plan.padded_tokens, fmt.layout,
-                        full_ckv.static_implementation(implementation), interpret, return_workspaces)
-    args = (x, list(caches), params, table, local_cu, slots, rows, indices, counts)
+        dcp_step.check_caches(fmt, cache, plan)
+    placement.mesh_axis_size(mesh, axis_name, plan.world_size)
+    dcp_step.check_block_table(plan, block_table)
+    arrays = dcp_step.step_arrays(plan, block_table, mesh)
+    x, indices, counts = placement.replicated(mesh, x, topk_indices, topk_counts)
+    params = jax.tree.map(lambda a: placement.replicated(mesh, a)[0], list(params))
+    fn = _compiled_loop(mesh, axis_name, num_layers, layer, depth, fmt.layout,
+                        dcp_step.static_implementation(implementation), interpret, return_workspaces)
+    args = (x, list(caches), params, arrays, indices, counts)
     if compiled_text:
         return fn.lower(*args).compile().as_text()
     return fn(*args)
 
 
-def collective_schedule(hlo_text: str) -> dict:
-    """What the compiled program does with its all-gathers: how many there are, how many XLA made
-    asynchronous (`all-gather-start`/`-done` pairs) and, per pair, how many instructions of the
-    schedule lie between start and done (the room it has to overlap with compute)."""
-    lines = [line.strip() for line in hlo_text.splitlines()]
-    starts, gaps = {}, []
-    for i, line in enumerate(lines):
-        m = re.match(r"(?:ROOT )?(%?[\w.-]+) = .*? all-gather-start\(", line)
-        if m:
-            starts[m.group(1)] = i
-            continue
-        if " all-gather-done(" in line:
-            for name, at in list(starts.items()):
-                if re.search(re.escape(name) + r"\b", line.split("all-gather-done(", 1)[1]):
-                    gaps.append(i - at - 1)
-                    del starts[name]
-                    break
-    sync = sum(1 for line in lines if re.search(r"= \S+ all-gather\(", line))
-    return dict(async_all_gathers=len(gaps), sync_all_gathers=sync, instructions_between_start_and_done=gaps)
-
-
 @functools.lru_cache(maxsize=64)
-def _compiled_loop(mesh, axis_name, num_layers, layer, depth, num_rows, layout, implementation, interpret,
+def _compiled_loop(mesh, axis_name, num_layers, layer, depth, layout, implementation, interpret,
                    return_workspaces):
     """One jitted program per static configuration, so repeated steps do not retrace."""
     body = functools.partial(
-        _loop, layer=layer, depth=depth, num_rows=num_rows, layout=layout, axis_name=axis_name,
-        implementation=implementation, interpret=interpret, return_workspaces=return_workspaces)
+        _loop, layer=layer, depth=depth, layout=layout, axis_name=axis_name, implementation=implementation,
+        interpret=interpret, device=placement.mesh_device(mesh), return_workspaces=return_workspaces)
     rep = P()
-    in_specs = (rep, [P(axis_name)] * num_layers, rep, rep, rep, rep, rep, rep, rep)
+    in_specs = (rep, [P(axis_name)] * num_layers, rep, rep, rep, rep)
     out_specs = (rep, [P(axis_name)] * num_layers) + ((rep,) if return_workspaces else ())
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False),
                    donate_argnums=(1,))
 
 
-def _loop(x, caches, params, table, local_cu, slots, rows, indices, counts, *, layer, depth, num_rows,
-          layout, axis_name, implementation, interpret, return_workspaces):
-    rank = lax.axis_index(axis_name)
+def _loop(x, caches, params, arrays, indices, counts, *, layer, depth, layout, axis_name, implementation,
+          interpret, device, return_workspaces):
     num_layers = len(caches)
     caches = list(caches)
     ring_slots = depth + 1
+    kernels = dict(implementation=implementation, interpret=interpret, device=device)
 
     def gather(cache):
-        return full_ckv.gather_workspace_in_shard_map(cache, table, local_cu, num_rows=num_rows,
-                                                      axis_name=axis_name, implementation=implementation,
-                                                      interpret=interpret)
-
-    def write(cache, kv_c, k_pe, dest):
-        return cache_writer.write_records(cache, kv_c, k_pe, dest, layout=layout,
-                                          implementation=implementation, interpret=interpret)
+        return dcp_step.gather_workspace_in_shard_map(cache, arrays, axis_name=axis_name, **kernels)
 
     # the ring is the gathered workspaces themselves: each gather writes a buffer of its own and
     # the patch updates it in place, so no workspace is ever copied into a stacked ring
@@ -148,11 +110,10 @@ def _loop(x, caches, params, table, local_cu, slots, rows, indices, counts, *, l
         if depth and l + depth < num_layers:                     # issued ahead of layer l's compute
             ring[(l + depth) % ring_slots] = gather(caches[l + depth])
         q, kv_c, k_pe = layer.project(params[l], x)
-        caches[l] = write(caches[l], kv_c, k_pe, slots[rank])
+        caches[l] = dcp_step.write_chunk(caches[l], kv_c, k_pe, arrays, layout=layout, axis_name=axis_name, **kernels)
         if depth:
             prefetched, ring[l % ring_slots] = ring[l % ring_slots], None
-            n, record_bytes = prefetched.shape
-            workspace = write(prefetched.reshape(n, 1, record_bytes), kv_c, k_pe, rows).reshape(n, record_bytes)
+            workspace = dcp_step.patch_chunk(prefetched, kv_c, k_pe, arrays.chunk_rows, layout=layout, **kernels)
         else:
             workspace = gather(caches[l])                        # synchronous: after this layer's write
         if return_workspaces:

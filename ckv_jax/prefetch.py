@@ -25,41 +25,18 @@ collectives match.  `decisions` records them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from typing import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from ckv_jax import formats, full_ckv, validation
+from ckv_jax import dcp_step, formats, placement
 from ckv_jax.dcp_layout import DcpLayout
 from ckv_jax.prefetch_config import GatherConfig, MemoryPlan, memory_plan
 from ckv_jax.step_plan import StepPlan
-from pallas_kernels import cache_writer
-from pallas_kernels.paged_gather import GatherConfig as GatherTiles
 
 log = logging.getLogger("ckv_jax.prefetch")
-LOOKAHEAD_FORMATS = ("fp8_ds_mla", "nvfp4_ds_mla")
-
-
-def supports_lookahead(format) -> bool:
-    """Quantized native records can be prefetched; bf16 gathers synchronously (as upstream)."""
-    return formats.get(format).name in LOOKAHEAD_FORMATS
-
-
-def prefetch_tiles(device: jax.Device, programs: int) -> GatherTiles:
-    """The pack config of a prefetch with a bounded SM footprint: `programs` persistent programs
-    (e.g. one per two SMs, `device.core_count // 2`), each moving 64-record tiles.  A full grid
-    keeps every SM busy until the gather ends, so kernels another stream launches meanwhile wait
-    for it; a bounded grid leaves the other SMs to them.  Measured on the H200 (BENCHMARKS.md,
-    "Torch adapter overlap"): that hides the gather under compute that leaves SMs idle, but
-    slows compute that fills every SM (matmuls) by more than it hides, where the full grid does
-    better; so the full grid is the default and this is the caller's choice."""
-    if programs <= 0:
-        raise ValueError(f"programs: expected a positive number of persistent programs, got {programs}")
-    return GatherTiles(rows_per_tile=64, num_warps=8, programs=programs)
 
 
 def target_layers(layer: int, depth: int, registered, pending) -> list[int]:
@@ -94,7 +71,7 @@ class WorkspacePool:
         rows = world_size * plan.capacity
         if allocate is None:
             def allocate(n, r):
-                return full_ckv.replicated(mesh, jnp.zeros((n, r), jnp.uint8))[0]
+                return placement.replicated(mesh, jnp.zeros((n, r), jnp.uint8))[0]
         # one buffer per slot: slots are donated one at a time, so they must not share storage
         self._rings = [[allocate(rows, record_bytes) for _ in range(plan.slots)] for _ in range(plan.lanes)]
         self._free = list(range(plan.lanes - 1, -1, -1))          # LIFO
@@ -136,9 +113,9 @@ class LaneState:
 class PrefetchOrchestrator:
     """Depth-N prefetch for per-layer callers; see the module docstring."""
 
-    def __init__(self, mesh: jax.sharding.Mesh, layout: DcpLayout, format: str, *, max_num_seqs: int,
+    def __init__(self, mesh: jax.sharding.Mesh, layout: DcpLayout, format: str | formats.RecordFormat, *, max_num_seqs: int,
                  config: GatherConfig = GatherConfig(), ubatches: int = 1, speculative: bool = False,
-                 axis_name: str = full_ckv.DCP_AXIS, implementation=None, interpret: bool = False,
+                 axis_name: str = placement.DCP_AXIS, implementation=None, interpret: bool = False,
                  pool_type: type[WorkspacePool] = WorkspacePool, pool_args: dict | None = None,
                  prefetch_programs: int | None = None):
         self.fmt = formats.get(format)
@@ -148,19 +125,17 @@ class PrefetchOrchestrator:
         self.config = config
         self.memory = memory_plan(layout, self.fmt, max_num_seqs=max_num_seqs, config=config,
                                   ubatches=ubatches, speculative=speculative)
-        self.depth = self.memory.depth if supports_lookahead(self.fmt) else 0
+        self.depth = self.memory.depth if self.fmt.lookahead else 0
         if self.memory.depth and not self.depth:
             log.debug("format %s has no lookahead; gathering synchronously", self.fmt.name)
         self.pool = pool_type(mesh, self.memory, layout.world_size, self.fmt.record_bytes, **(pool_args or {}))
         # prefetches pack with the full grid of a synchronous gather unless given a bounded one
-        self.prefetch_tiles = prefetch_tiles(mesh.devices.flat[0], prefetch_programs) if prefetch_programs else None
-        self._slot_bytes = layout.world_size * self.memory.capacity * self.fmt.record_bytes
-        self._patch_run = None
-        self.implementation = implementation
+        self.prefetch_tiles = dcp_step.bounded_pack_tiles(prefetch_programs) if prefetch_programs else None
+        self.implementation = dcp_step.static_implementation(implementation)
         self.interpret = interpret
         self._lanes: dict[Hashable, LaneState] = {}
         self._plan: StepPlan | None = None
-        self._table = None
+        self._arrays: dcp_step.StepArrays | None = None
         self.decisions: list[tuple] = []
 
     @property
@@ -217,13 +192,9 @@ class PrefetchOrchestrator:
             raise ValueError(f"plan: expected layout {self.layout}, got {plan.layout}")
         if plan.padded_tokens > self.memory.capacity:
             raise ValueError(f"plan: P={plan.padded_tokens} exceeds the pool's capacity C={self.memory.capacity}")
-        full_ckv.check_block_table(plan, block_table)
+        dcp_step.check_block_table(plan, block_table)
         self._plan = plan
-        self._patch_run = cache_writer.select(self.implementation, self.mesh.devices.flat[0], self._slot_bytes,
-                                              plan.num_tokens, self.fmt.layout, self.interpret)  # tuned for T tokens
-        # placed once per step: every gather and patch of the step reuses them
-        self._table, self._local_cu, self._rows = full_ckv.replicated(self.mesh, block_table, plan.local_cu_seq_lens,
-                                                                      full_ckv.chunk_rows(plan))
+        self._arrays = dcp_step.step_arrays(plan, block_table, self.mesh)   # every gather and patch reuses them
         for state in self._lanes.values():
             state.pending.clear()
             state.last_layer = None
@@ -271,13 +242,12 @@ class PrefetchOrchestrator:
         if layer in state.pending:
             index = state.pending.pop(layer)
             ring = self.pool.ring(state.lane)
-            if validation.check_values(self.fmt, kv_c, k_pe) != plan.num_tokens:
-                raise ValueError(f"kv_c: expected [{plan.num_tokens}, {self.fmt.nope_dim}] (the step's query "
-                                 f"tokens), got {validation.describe(kv_c)}")
+            dcp_step.check_chunk(self.fmt, kv_c, k_pe, plan)
             slot = ring[index]
-            ring[index] = _donating(index, lambda: full_ckv.patch_placed(
-                slot, kv_c, k_pe, self._rows, after, layout=self.fmt.layout, run=self._patch_run,
-                interpret=self.interpret))
+            ring[index] = _donating(index, lambda: dcp_step.patch_program(
+                slot, kv_c, k_pe, self._arrays.chunk_rows, after, layout=self.fmt.layout,
+                implementation=self.implementation, interpret=self.interpret,
+                device=placement.mesh_device(self.mesh)))
             _check_reused(slot, index)
             ws, how = ring[index], "prefetched"
         else:
@@ -293,13 +263,12 @@ class PrefetchOrchestrator:
 
     def _gather_into(self, state: LaneState, index: int, cache, after, tiles=None):
         ring = self.pool.ring(state.lane)
-        validation.check_cache(self.fmt, cache)             # the table was checked at begin_step
+        dcp_step.check_caches(self.fmt, cache, self._plan)   # the table was checked at begin_step
         self.pool.check_writable(state.lane, index)
         slot = ring[index]
-        ring[index] = _donating(index, lambda: _gather_slot(
-            slot, cache, self._table, self._local_cu, after, mesh=self.mesh, axis_name=self.axis_name,
-            num_rows=self._plan.padded_tokens, implementation=full_ckv.static_implementation(self.implementation),
-            interpret=self.interpret, tiles=tiles))
+        ring[index] = _donating(index, lambda: dcp_step.gather_program(
+            cache, self._arrays, slot, after, mesh=self.mesh, axis_name=self.axis_name,
+            implementation=self.implementation, interpret=self.interpret, tiles=tiles))
         _check_reused(slot, index)
         return ring[index]
 
@@ -328,15 +297,3 @@ def _donating(index: int, call):
             raise
         raise _still_referenced(index) from e
 
-
-@functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "num_rows", "implementation", "interpret", "tiles"),
-                   donate_argnums=0, keep_unused=True)
-def _gather_slot(slot, cache, table, local_cu, after, *, mesh, axis_name, num_rows, implementation, interpret,
-                 tiles=None):
-    """The layer's gathered workspace written into the head of ring slot `slot` (donated), in one
-    program whose gather writes straight into the slot (see `gather_workspace_in_shard_map`)."""
-    body = functools.partial(full_ckv.gather_workspace_in_shard_map, num_rows=num_rows, axis_name=axis_name,
-                             implementation=implementation, interpret=interpret, tiles=tiles)
-    return jax.shard_map(lambda c, t, u, out: body(c, t, u, out=out), mesh=mesh,
-                         in_specs=(P(axis_name), P(), P(), P()), out_specs=P(),
-                         check_vma=False)(cache, table, local_cu, slot)

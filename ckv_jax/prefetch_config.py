@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 from ckv_jax import formats
+from ckv_jax.environment import env_bool, env_int
 from ckv_jax.dcp_layout import DcpLayout
 from ckv_jax.step_plan import DEFAULT_MAX_TOKENS, DEFAULT_MIN_TOKENS, capacity
 
@@ -52,40 +52,11 @@ class GatherConfig:
     def from_env(cls, environ=None) -> "GatherConfig":
         """Read the CKV_JAX_* variables.  Non-numeric values raise; a negative depth or workspace
         budget falls back to 0 with a warning (as upstream does)."""
-        env = os.environ if environ is None else environ
-        return cls(enabled=_env_bool(env, ENV_GATHER, False),
-                   depth=_env_int(env, ENV_DEPTH, 0, negative_to_zero=True),
-                   workspace_mib=_env_int(env, ENV_WORKSPACE_MIB, DEFAULT_WORKSPACE_MIB, negative_to_zero=True),
-                   min_tokens=_env_int(env, ENV_MIN_TOKENS, DEFAULT_MIN_TOKENS),
-                   max_tokens=_env_int(env, ENV_MAX_TOKENS, DEFAULT_MAX_TOKENS))
-
-
-def _env_bool(env, name, default):
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}: expected 0/1/true/false, got {raw!r}")
-
-
-def _env_int(env, name, default, negative_to_zero=False):
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError(f"{name}: expected an integer, got {raw!r}") from None
-    if value < 0:
-        if not negative_to_zero:
-            raise ValueError(f"{name}: expected a non-negative integer, got {value}")
-        log.warning("%s=%d is negative; using 0", name, value)
-        return 0
-    return value
+        return cls(enabled=env_bool(ENV_GATHER, False, environ),
+                   depth=env_int(ENV_DEPTH, 0, environ, negative_to_zero=True),
+                   workspace_mib=env_int(ENV_WORKSPACE_MIB, DEFAULT_WORKSPACE_MIB, environ, negative_to_zero=True),
+                   min_tokens=env_int(ENV_MIN_TOKENS, DEFAULT_MIN_TOKENS, environ),
+                   max_tokens=env_int(ENV_MAX_TOKENS, DEFAULT_MAX_TOKENS, environ))
 
 
 def execution_lanes(ubatches: int = 1, speculative: bool = False) -> int:

@@ -20,8 +20,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ckv_jax import formats, full_ckv, validation
-from ckv_jax.full_ckv import DCP_AXIS
+from ckv_jax import dcp_step, formats, placement, validation
+from ckv_jax.placement import DCP_AXIS
 from ckv_jax.step_plan import StepPlan
 from pallas_kernels import record_codec
 
@@ -142,11 +142,11 @@ def full_ckv_attention(q, workspace, indices, counts, sm_scale, *, format: str |
     by heads on an Auto-typed copy of `mesh`, so they index like ordinary arrays.
     """
     fmt = formats.get(format)
-    d = full_ckv.mesh_axis_size(mesh, axis_name)
+    d = placement.mesh_axis_size(mesh, axis_name)
     check_attention_inputs(q, workspace, indices, counts, sm_scale, fmt, records_name="workspace")
     if q.shape[1] % d:
         raise ValueError(f"q: expected a head count divisible by the DCP size {d}, got {q.shape[1]}")
-    mesh = full_ckv.auto_axes(mesh)
+    mesh = placement.auto_axes(mesh)
     layout = fmt.layout
 
     def body(q_local, ws, idx, cnt):
@@ -159,7 +159,8 @@ def full_ckv_attention(q, workspace, indices, counts, sm_scale, *, format: str |
                                  out_specs=(P(None, axis_name), P(None, axis_name)), check_vma=False))(*args)
 
 
-def stock_dcp_attention(q, caches, block_table, topk, plan: StepPlan, sm_scale, *, format: str, mesh,
+def stock_dcp_attention(q, caches, block_table, topk, plan: StepPlan, sm_scale, *,
+                        format: str | formats.RecordFormat, mesh,
                         axis_name: str = DCP_AXIS):
     """Stock DCP path: every rank attends its own shard with all heads and the global top-k
     filtered to the entries it owns (as local physical slots), then the LSE merge.
@@ -168,8 +169,8 @@ def stock_dcp_attention(q, caches, block_table, topk, plan: StepPlan, sm_scale, 
     global positions.  Returns out bf16[T, H, 512], lse f32[T, H], replicated.
     """
     fmt = formats.get(format)
-    full_ckv.mesh_axis_size(mesh, axis_name, plan.world_size)
-    validation.check_cache(fmt, caches)
+    placement.mesh_axis_size(mesh, axis_name, plan.world_size)
+    dcp_step.check_caches(fmt, caches, plan)
     t = plan.num_tokens
     check_query(q, fmt)
     check_rows("topk", topk, q.shape[0])
@@ -177,30 +178,28 @@ def stock_dcp_attention(q, caches, block_table, topk, plan: StepPlan, sm_scale, 
     if q.shape[0] != t:
         raise ValueError(f"q: expected [{t}, H, {fmt.layout.value_dim}] (the plan's query tokens), "
                          f"got {validation.describe(q)}")
-    full_ckv.check_block_table(plan, block_table)
-    mesh = full_ckv.auto_axes(mesh)
+    dcp_step.check_block_table(plan, block_table)
+    mesh = placement.auto_axes(mesh)
     layout = plan.layout
     rec_layout = fmt.layout
-    causal = jnp.asarray(plan.positions() + 1)
-    req = jnp.asarray(plan.req_id_per_token)
-    lens = jnp.asarray(plan.rank_req_lens)
 
-    def body(q_all, cache, table, tk, req_id, causal_len, rank_lens):
+    def body(q_all, cache, tk, arrays):
         rank = lax.axis_index(axis_name)
         num_blocks, block_size, record_bytes = cache.shape
+        table, req_id = arrays.block_table, arrays.req_id
         local = layout.local_index(tk)
         blk = jnp.clip(local // block_size, 0, table.shape[1] - 1)
-        mine = ((tk >= 0) & (tk < causal_len[:, None]) & (layout.owner(tk) == rank)
-                & (local < rank_lens[rank, req_id][:, None]))
+        mine = ((tk >= 0) & (tk < arrays.causal_len[:, None]) & (layout.owner(tk) == rank)
+                & (local < arrays.rank_lens[rank, req_id][:, None]))
         slots = jnp.where(mine, table[req_id[:, None], blk] * block_size + local % block_size, -1)
         counts = jnp.full((tk.shape[0],), tk.shape[1], jnp.int32)
         out, lse = attend(q_all, cache.reshape(num_blocks * block_size, record_bytes), slots, counts,
-                               sm_scale, rec_layout)
+                          sm_scale, rec_layout)
         out, lse = merge_partials(out, lse, axis_name)
         return out.astype(jnp.bfloat16), lse
 
-    specs = (P(), P(axis_name), P(), P(), P(), P(), P())
-    q, table, topk, req, causal, lens = full_ckv.replicated(mesh, q, block_table, topk, req, causal, lens)
-    args = (q, jax.device_put(caches, NamedSharding(mesh, specs[1])), table, topk, req, causal, lens)
+    specs = (P(), P(axis_name), P(), P())
+    q, topk = placement.replicated(mesh, q, topk)
+    args = (q, jax.device_put(caches, NamedSharding(mesh, specs[1])), topk,
+            dcp_step.step_arrays(plan, block_table, mesh))
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P()), check_vma=False))(*args)
-

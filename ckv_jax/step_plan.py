@@ -62,14 +62,15 @@ class StepPlan:
     def world_size(self) -> int:
         return self.layout.world_size
 
-    def local_total(self, rank: int) -> int:
-        return int(self.local_cu_seq_lens[rank, -1])
-
     def positions(self) -> np.ndarray:
         """Global position of every query row: seq_len - q_len + (t - q_start)."""
         req = self.req_id_per_token
         t = np.arange(self.num_tokens)
         return (self.seq_lens[req] - self.query_lens[req] + t - self.query_start_loc[req]).astype(np.int32)
+
+    def causal_lens(self) -> np.ndarray:
+        """i32[T]: tokens each query row may attend (its global position + 1)."""
+        return self.positions() + 1
 
 
 def capacity(layout: DcpLayout, max_tokens: int, max_num_seqs: int) -> int:

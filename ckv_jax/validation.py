@@ -6,11 +6,11 @@ back to the host and therefore need concrete (non-traced) arrays.
 """
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from ckv_jax.environment import env_bool
 
 ENV_VALIDATE = "CKV_JAX_VALIDATE"
 KV_C_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -20,12 +20,7 @@ def validation_enabled(validate: bool | None) -> bool:
     """`validate` if given, else the CKV_JAX_VALIDATE environment variable."""
     if validate is not None:
         return bool(validate)
-    raw = os.environ.get(ENV_VALIDATE, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{ENV_VALIDATE}: expected 0/1/true/false, got {raw!r}")
+    return env_bool(ENV_VALIDATE, False)
 
 
 def describe(x) -> str:

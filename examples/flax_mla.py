@@ -152,7 +152,7 @@ def run(args) -> int:
     import jax.numpy as jnp
     from flax import nnx
 
-    from ckv_jax import formats, full_ckv
+    from ckv_jax import formats, full_ckv, placement
     from ckv_jax.dcp_layout import DcpLayout
     from ckv_jax.pipelined_prefill import prefill_layers
     from ckv_jax.step_plan import build_step_plan
@@ -162,13 +162,13 @@ def run(args) -> int:
         print(f"--dcp {args.dcp}: only {len(devices)} device(s)", file=sys.stderr)
         return 2
     fmt = formats.get(args.format)
-    mesh = jax.make_mesh((args.dcp,), (full_ckv.DCP_AXIS,), devices=devices[:args.dcp])
+    mesh = jax.make_mesh((args.dcp,), (placement.DCP_AXIS,), devices=devices[:args.dcp])
     layout = DcpLayout(args.dcp, 1, args.block_size)
     model = build_model(args.layers, args.d_model, args.heads, args.q_rank, args.seed)
     graphdef, _ = nnx.split(model.blocks[0])
     states = [nnx.state(block) for block in model.blocks]
     sm_scale = (QK_NOPE + ROPE) ** -0.5
-    layer = dcp_layer(graphdef, args.heads, args.dcp, sm_scale, fmt, full_ckv.DCP_AXIS)
+    layer = dcp_layer(graphdef, args.heads, args.dcp, sm_scale, fmt, placement.DCP_AXIS)
     rng = np.random.default_rng(args.seed)
 
     reqs, chunk = args.requests, args.chunk
@@ -177,7 +177,7 @@ def run(args) -> int:
     num_blocks = reqs * blocks_per_req
     table = rng.permutation(num_blocks).reshape(reqs, blocks_per_req).astype(np.int32)
     empty = np.zeros((num_blocks, args.block_size, fmt.record_bytes), np.uint8)
-    caches = [full_ckv.place_caches([empty] * args.dcp, mesh) for _ in range(args.layers)]
+    caches = [placement.place_caches([empty] * args.dcp, mesh) for _ in range(args.layers)]
     history = [[np.zeros((0, fmt.record_bytes), np.uint8)] * reqs for _ in range(args.layers)]
 
     done, ok = 0, True

@@ -39,9 +39,9 @@ def run(args) -> int:
     import torch
 
     import interop
-    from ckv_jax import formats, full_ckv
+    from ckv_jax import formats, full_ckv, placement
     from ckv_jax.dcp_layout import DcpLayout
-    from ckv_jax.demo import Model, mla_layer
+    from ckv_jax.mla_model import Model, mla_layer
     from ckv_jax.pipelined_prefill import prefill_layers
     from ckv_jax.prefetch_config import GatherConfig
     from ckv_jax.step_plan import build_step_plan
@@ -73,8 +73,8 @@ def run(args) -> int:
     # the pure-JAX path over copies of the same caches, for the check
     mesh = adapter.mesh
     model = Model([{k: jnp.asarray(v.numpy()) for k, v in w.items()} for w in weights], heads, d_model, sm_scale)
-    jax_layer = mla_layer(model, fmt, 1, full_ckv.DCP_AXIS)
-    jax_caches = [full_ckv.place_caches([c.cpu().numpy()], mesh) for c in caches]
+    jax_layer = mla_layer(model, fmt, 1, placement.DCP_AXIS)
+    jax_caches = [placement.place_caches([c.cpu().numpy()], mesh) for c in caches]
 
     ok, done = True, 0
     while done < args.context:

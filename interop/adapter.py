@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ckv_jax import formats, full_ckv
+from ckv_jax import formats, full_ckv, placement
 from ckv_jax.dcp_layout import DcpLayout
 from ckv_jax.prefetch import PrefetchOrchestrator, WorkspacePool
 from ckv_jax.prefetch_config import GatherConfig
@@ -97,7 +97,7 @@ class TorchCkvAdapter:
     single-GPU benchmarks); serving leaves it at 2.  `ordering` forces a protocol ("dlpack"),
     None picks "cuda-events" where it is available.  `prefetch_programs`: None or 0 packs a
     prefetch with the full grid of a synchronous gather (best beside compute that fills every SM);
-    n > 0 with n persistent programs (`ckv_jax.prefetch.prefetch_tiles`; about half the SMs is best
+    n > 0 with n persistent programs (`ckv_jax.dcp_step.bounded_pack_tiles`; about half the SMs is best
     beside compute that leaves SMs idle)."""
 
     def __init__(self, *, world_size: int, format: str, max_num_seqs: int, config: GatherConfig,
@@ -112,9 +112,8 @@ class TorchCkvAdapter:
         self.fmt = formats.get(format)
         self.layout = DcpLayout(world_size, interleave, block_size)
         if mesh is None:
-            mesh = jax.make_mesh((world_size,), (full_ckv.DCP_AXIS,), devices=jax.devices()[:world_size])
-        if mesh.shape.get(full_ckv.DCP_AXIS) != world_size:
-            raise ValueError(f"mesh: expected axis {full_ckv.DCP_AXIS!r} of size {world_size}, got {dict(mesh.shape)}")
+            mesh = jax.make_mesh((world_size,), (placement.DCP_AXIS,), devices=jax.devices()[:world_size])
+        placement.mesh_axis_size(mesh, placement.DCP_AXIS, world_size)
         local = mesh.local_devices
         if len(local) != 1:
             raise ValueError(f"mesh: expected one device of this process (one process per GPU), got {len(local)}")
@@ -128,7 +127,7 @@ class TorchCkvAdapter:
         if self.events:
             pool = dict(pool_type=TorchWorkspacePool,
                         pool_args=dict(device=self.events.device, jax_device=self.device))
-        self.orch = PrefetchOrchestrator(mesh, self.layout, self.fmt.name, max_num_seqs=max_num_seqs, config=config,
+        self.orch = PrefetchOrchestrator(mesh, self.layout, self.fmt, max_num_seqs=max_num_seqs, config=config,
                                          ubatches=ubatches, speculative=speculative,
                                          implementation=implementation, interpret=interpret,
                                          prefetch_programs=prefetch_programs, **pool)
@@ -293,7 +292,7 @@ class TorchCkvAdapter:
         local = bridge.to_jax(kv_cache, name="kv_cache", device=self.device)
         shape = (self.layout.world_size * local.shape[0],) + tuple(local.shape[1:])
         cache = jax.make_array_from_single_device_arrays(
-            shape, NamedSharding(self.mesh, P(full_ckv.DCP_AXIS)), [local])
+            shape, NamedSharding(self.mesh, P(placement.DCP_AXIS)), [local])
         if layer_idx is not None:         # a per-call (no layer index) cache is not kept bound
             self._caches[key] = (kv_cache.data_ptr(), tuple(kv_cache.shape), cache, kv_cache)
         else:

@@ -30,11 +30,12 @@ import numpy as np
 import torch
 
 import interop
-from ckv_jax import formats, full_ckv, prefetch
+from ckv_jax import dcp_step, formats
 from ckv_jax.dcp_layout import DcpLayout
 from ckv_jax.prefetch_config import GatherConfig
 from ckv_jax.step_plan import build_step_plan
 from interop import torch_records
+from pallas_kernels import paged_gather
 
 FMT = formats.get("fp8_ds_mla")
 
@@ -156,7 +157,7 @@ def timed(fn, trials: int, warmup: int = 2, before=None) -> list[float]:
 def pack_bandwidth(work: Workload, programs, calls: int = 20) -> list[dict]:
     """The pack of one layer's history alone (GB/s of bytes read + written, CUDA events on JAX's
     stream around `calls` calls): the full grid and persistent grids of `programs` programs
-    (`ckv_jax.prefetch.prefetch_tiles`), beside a torch device copy of the same bytes."""
+    (`ckv_jax.dcp_step.bounded_pack_tiles`), beside a torch device copy of the same bytes."""
     adapter = work.adapter(1)
     stream = adapter.events.jax_stream
     cache = interop.to_jax(work.caches[0], device=adapter.device)
@@ -166,8 +167,8 @@ def pack_bandwidth(work: Workload, programs, calls: int = 20) -> list[dict]:
     moved = 2 * rows * FMT.record_bytes
     out = []
     for n in [0] + list(programs):
-        tiles = None if n == 0 else prefetch.prefetch_tiles(adapter.device, n)
-        pack = jax.jit(lambda c, t, u, tiles=tiles: full_ckv.pack_local(c, t, u, num_rows=rows, tiles=tiles))
+        tiles = None if n == 0 else dcp_step.bounded_pack_tiles(n)
+        pack = jax.jit(lambda c, t, u, tiles=tiles: paged_gather.gather_records(c, t, u, num_rows=rows, config=tiles))
         jax.block_until_ready(pack(cache, table, cu))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
@@ -186,6 +187,22 @@ def pack_bandwidth(work: Workload, programs, calls: int = 20) -> list[dict]:
     return out
 
 
+STREAMS = ("default", "side", "priority")
+
+
+def torch_stream(kind: str) -> torch.cuda.Stream:
+    """The torch stream an engine computes on: its default stream, a side stream, or a side
+    stream of the greatest priority torch offers (`priority`), whose kernels the GPU's block
+    scheduler starts ahead of pending programs of lower-priority streams, JAX's included."""
+    if kind == "default":
+        return torch.cuda.default_stream()
+    if kind == "side":
+        return torch.cuda.Stream()
+    if kind == "priority":
+        return torch.cuda.Stream(priority=-(1 << 10))      # torch maps it to the greatest it has
+    raise ValueError(f"streams: expected names of {STREAMS}, got {kind!r}")
+
+
 def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, prefetch_programs=None) -> list[dict]:
     rows = []
     computes = {x: compute_kernels(x) for x in compute_ms}
@@ -195,7 +212,7 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
         base = adapters[min(depths)]
         gather_ms = _jax_ms_per_layer(work, base, trials)
         for stream_kind in streams:
-            stream = torch.cuda.Stream() if stream_kind == "side" else torch.cuda.default_stream()
+            stream = torch_stream(stream_kind)
             with torch.cuda.stream(stream):
                 for kind in kinds:
                     for x in compute_ms:
@@ -261,7 +278,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", type=lambda t: t.split(","), default=["sleep", "matmul"],
                     help="torch compute kinds (default %(default)s)")
     ap.add_argument("--streams", type=lambda t: t.split(","), default=["default", "side"],
-                    help="torch streams (default %(default)s)")
+                    help=f"torch streams, of {', '.join(STREAMS)} (default %(default)s)")
     ap.add_argument("--trials", type=int, default=5, help="timed steps per row (default %(default)s)")
     ap.add_argument("--prefetch-programs", type=int, default=None,
                     help="persistent programs of a prefetch's pack (default: the full grid)")
@@ -276,6 +293,10 @@ def main(argv=None) -> int:
         print("--depths: depth 0 is the baseline of hidden_pct; include it", file=sys.stderr)
         return 2
     args.depths = sorted(args.depths)
+    unknown = [k for k in args.streams if k not in STREAMS]
+    if unknown:
+        print(f"--streams: expected names of {', '.join(STREAMS)}, got {unknown}", file=sys.stderr)
+        return 2
     work = Workload(max(args.histories), args.chunk, 1)
     pack = pack_bandwidth(work, args.pack_programs)
     del work

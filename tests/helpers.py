@@ -8,8 +8,10 @@ import sys
 import jax
 import ml_dtypes
 import numpy as np
+import pytest
 
 import oracle
+from ckv_jax.placement import DCP_AXIS
 
 ON_GPU = jax.default_backend() == "gpu"
 # XLA on CPU flushes subnormal float32 results (decode's products); GPU backends keep them.
@@ -134,3 +136,43 @@ def copies_of_at_least(hlo_text, num_elements):
         if m and not skipping and int(np.prod([int(d) for d in m.group(1).split(",")])) >= num_elements:
             found.append(m.group(0))
     return found
+
+
+def edge_case_kv():
+    """Rows: zero tiles, +-448 boundaries, bf16 extremes, NaN/Inf, subnormals, tiny tiles."""
+    bf = ml_dtypes.bfloat16
+    finfo = ml_dtypes.finfo(bf)
+    rng = np.random.default_rng(3)
+    kv = (rng.standard_normal((12, 512))).astype(np.float32)
+    kv[0] = 0.0                                           # all-zero record
+    kv[1, :128] = 0.0                                     # one zero tile, others random
+    kv[1, 128:144] = 0.0                                  # one zero nvfp4 group
+    kv[2, :128] = np.linspace(-1, 1, 128) * 3.0           # +-amax hits exactly +-448 after scaling
+    kv[2, 128:256] = 448.0 * (1 + np.arange(128) % 3 * 2.0 ** -7)  # values at and just above 448
+    kv[3, :] = float(finfo.max) * np.sign(rng.standard_normal(512))   # bf16 max, both signs
+    kv[4, :] = float(finfo.smallest_normal) * (1 + np.arange(512) % 4)  # smallest normals
+    kv[5, 7] = np.nan                                     # NaN ignored by amax, encodes as NaN / +6
+    kv[5, 300] = -np.nan
+    kv[5, 384:] = np.nan                                  # an all-NaN fp8 tile (8 all-NaN nvfp4 groups)
+    kv[5, 448:] = -np.nan
+    kv[6, 200] = np.inf                                   # Inf tile: scale Inf / 448
+    kv[6, 400] = -np.inf
+    kv[7, ::2] = float(finfo.smallest_subnormal) * 5      # float32 subnormals in every tile
+    kv[8, :] = float(finfo.smallest_subnormal) * (np.arange(512) % 7 - 3)  # an all-subnormal record
+    kv[9, :64] = 1e-30                                    # tiny tile: scale clamps to FLT_MIN region
+    kv[10, :] = -0.0                                      # negative zeros
+    kv[11, :16] = 6.0 * 448                               # nvfp4 scale saturates near e4m3 max
+    kv_bf16 = kv.astype(bf)
+    k_pe = rng.standard_normal((12, 64)).astype(bf)
+    k_pe[0, :4] = [finfo.max, -finfo.max, finfo.smallest_subnormal, np.nan]
+    k_pe[1, :2] = [np.inf, -0.0]
+    return kv_bf16, k_pe
+
+
+def mesh_of(d):
+    """A real d-device mesh: the default backend's devices, or the CPU devices the test session
+    creates (JAX_NUM_CPU_DEVICES=4) on a machine with fewer accelerators."""
+    devices = jax.devices() if len(jax.devices()) >= d else jax.devices("cpu")
+    if len(devices) < d:
+        pytest.fail(f"needs {d} devices; the test session sets JAX_NUM_CPU_DEVICES=4")
+    return jax.make_mesh((d,), (DCP_AXIS,), devices=devices[:d])

@@ -21,11 +21,11 @@ def main():
     if "--die" in sys.argv:                                   # the fault test: vanish mid-run
         os._exit(3)
     import dcp_scenario
-    from ckv_jax import full_ckv
+    from ckv_jax import full_ckv, placement
     from mp_case import CASE
     sc = dcp_scenario.build(**CASE)
-    mesh = jax.make_mesh((len(jax.devices()),), (full_ckv.DCP_AXIS,))
-    ws = full_ckv.all_gather_ckv(full_ckv.place_caches(sc.caches, mesh), jnp.asarray(sc.block_table), sc.plan,
+    mesh = jax.make_mesh((len(jax.devices()),), (placement.DCP_AXIS,))
+    ws = full_ckv.all_gather_ckv(placement.place_caches(sc.caches, mesh), jnp.asarray(sc.block_table), sc.plan,
                                  mesh=mesh, format=CASE["fmt_name"])
     local = np.asarray(ws.addressable_shards[0].data)       # replicated: every shard is the whole workspace
     np.save(out, local)

@@ -10,7 +10,7 @@ import pytest
 
 import ckv_jax
 from ckv_jax import formats
-from helpers import ON_GPU, assert_bytes_equal, copies_of_at_least, oracle_records, random_kv
+from helpers import ON_GPU, assert_bytes_equal, copies_of_at_least, edge_case_kv, oracle_records, random_kv
 from pallas_kernels import cache_writer
 from pallas_kernels.cache_writer import pallas_triton
 
@@ -55,8 +55,7 @@ def test_writer_matches_oracle(implementation, name, tokens, kv_dtype):
 @pytest.mark.parametrize("name", NAMES)
 def test_writer_edge_values_match_oracle(name, kernel_mode):
     """NaN/Inf/subnormal/extreme latents through the Pallas kernel, as in test_formats."""
-    from test_formats import _edge_case_kv
-    kv_c, k_pe = _edge_case_kv()
+    kv_c, k_pe = edge_case_kv()
     fmt = formats.get(name)
     poison = np.random.default_rng(1).integers(0, 256, (2, 8, fmt.record_bytes), dtype=np.uint8)
     slots = np.arange(15, 3, -1, dtype=np.int32)
@@ -80,11 +79,11 @@ def test_writer_updates_in_place(implementation, name):
     cache = jnp.zeros((64, 16, fmt.record_bytes), jnp.uint8)
     kv_c, k_pe = random_kv(np.random.default_rng(0), 40)
     slots = jnp.arange(40, dtype=jnp.int32) * 3
-    impl = cache_writer.choose(implementation["implementation"], jax.devices()[0], cache.size,
-                               interpret=implementation["interpret"])
+    run = cache_writer.select(implementation["implementation"], jax.devices()[0], cache.size, 40, fmt.layout,
+                              interpret=implementation["interpret"])
 
     def write(c, a, b, s):
-        return impl.run(c, a, b, s, layout=fmt.layout, interpret=implementation["interpret"])
+        return run(c, a, b, s, layout=fmt.layout, interpret=implementation["interpret"])
 
     compiled = jax.jit(write, donate_argnums=0).lower(cache, kv_c, k_pe, slots).compile()
     hlo = compiled.as_text()
@@ -103,11 +102,11 @@ def test_full_cache_copy_detector_sees_copies():
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("config, kv_dtype", [(pallas_triton.WriterConfig(), jnp.bfloat16),
-                                              (pallas_triton.WriterConfig(32, 8), jnp.bfloat16),
-                                              (pallas_triton.WriterConfig(4, 1), jnp.bfloat16),
-                                              (pallas_triton.WriterConfig(), jnp.float16),
-                                              (pallas_triton.WriterConfig(), jnp.float32)])
+@pytest.mark.parametrize("config, kv_dtype", [(pallas_triton.WriterTiles(), jnp.bfloat16),
+                                              (pallas_triton.WriterTiles(32, 8), jnp.bfloat16),
+                                              (pallas_triton.WriterTiles(4, 1), jnp.bfloat16),
+                                              (pallas_triton.WriterTiles(), jnp.float16),
+                                              (pallas_triton.WriterTiles(), jnp.float32)])
 def test_writer_lowers_for_cuda(name, config, kv_dtype):
     fmt = formats.get(name)
     sds = jax.ShapeDtypeStruct
@@ -122,25 +121,30 @@ def test_writer_lowers_for_cuda(name, config, kv_dtype):
 
 def test_automatic_choice():
     dev = jax.devices()[0]
-    auto = cache_writer.choose(None, dev, 10_000)
+    layout = formats.get("fp8_ds_mla").layout
+
+    def choose(implementation, nbytes=10_000):
+        return cache_writer.select(implementation, dev, nbytes, 8, layout)
+
+    auto = choose(None)
     assert auto.name == ("pallas_triton" if ON_GPU else "xla")
-    assert cache_writer.choose(["pallas_triton", "xla"], dev, 10_000).name == auto.name
-    assert cache_writer.choose("xla", dev, 10_000).name == "xla"
+    assert choose(["pallas_triton", "xla"]).name == auto.name
+    assert choose("xla").name == "xla"
     if not ON_GPU:
         with pytest.raises(ValueError, match="pallas_triton: needs a GPU"):
-            cache_writer.choose("pallas_triton", dev, 10_000)
+            choose("pallas_triton")
     with pytest.raises(ValueError, match=r"implementation: expected one of \['pallas_triton', 'xla'\]"):
-        cache_writer.choose("cuda", dev, 10_000)
+        choose("cuda")
 
 
 @pytest.mark.gpu
 def test_triton_is_not_chosen_where_its_int32_offsets_wrap():
-    from pallas_kernels import _registry
+    from pallas_kernels import selection
     dev = jax.devices()[0]
     for nbytes, ok in [(2 ** 31 - 1, True), (2 ** 31, False), (3 * 2 ** 30, False), (2 ** 32, False),
                        (2 ** 32 + 1, True)]:
-        assert _registry.triton_supported(dev, nbytes)[0] == ok, nbytes
-    assert cache_writer.choose(None, dev, 3 * 2 ** 30).name == "xla"
+        assert selection.triton_supported(dev, nbytes, False)[0] == ok, nbytes
+    assert cache_writer.select(None, dev, 3 * 2 ** 30, 8, formats.get("fp8_ds_mla").layout).name == "xla"
 
 
 @pytest.mark.gpu
@@ -151,15 +155,15 @@ def test_compiled_fp8_division_matches_long_division():
     from jax.experimental import pallas as pl
 
     from helpers import fp8_division_tiles
-    from pallas_kernels import _pallas_compat as compat
-    from pallas_kernels import record_codec
+    from pallas_kernels import compat, float_codes
+    from pallas_kernels.cache_writer import gpu_arithmetic
 
     x, scale = fp8_division_tiles(np.random.default_rng(11))
 
     def kernel(x_ref, scale_ref, q_ref, byte_ref):
-        q = compat.triton_divide_by_scale(x_ref[...], scale_ref[...])
+        q = gpu_arithmetic.triton_divide_by_scale(x_ref[...], scale_ref[...])
         q_ref[...] = q
-        byte_ref[...] = compat.triton_e4m3_bytes(q)
+        byte_ref[...] = gpu_arithmetic.triton_e4m3_bytes(q)
 
     rows = 8
     q, byts = pl.pallas_call(
@@ -168,8 +172,8 @@ def test_compiled_fp8_division_matches_long_division():
         out_specs=[pl.BlockSpec((rows, 128), lambda i: (i, 0))] * 2,
         out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(x.shape, jnp.uint8)],
         compiler_params=compat.triton_compiler_params(4))(jnp.asarray(x), jnp.asarray(scale))
-    want = np.asarray(record_codec.xla_ieee_divide(x, scale[:, None]))
-    assert_bytes_equal(byts, np.asarray(record_codec.e4m3_bytes(jnp.asarray(want))), "e4m3 bytes")
+    want = np.asarray(float_codes.xla_ieee_divide(x, scale[:, None]))
+    assert_bytes_equal(byts, np.asarray(float_codes.e4m3_bytes(jnp.asarray(want))), "e4m3 bytes")
     matters = np.abs(want) >= 2.0 ** -11
     assert_bytes_equal(np.asarray(q).view(np.uint32)[matters], want.view(np.uint32)[matters], "quotients")
 
@@ -181,8 +185,8 @@ def test_compiled_e2m1_codes_match_for_every_float32():
     consecutive patterns and counts its mismatches per row."""
     from jax.experimental import pallas as pl
 
-    from pallas_kernels import _pallas_compat as compat
-    from pallas_kernels import record_codec
+    from pallas_kernels import compat, float_codes
+    from pallas_kernels.cache_writer import gpu_arithmetic
 
     rows, cols = 16, 4096
 
@@ -191,8 +195,8 @@ def test_compiled_e2m1_codes_match_for_every_float32():
         bits = (first + lax.broadcasted_iota(jnp.uint32, (rows, cols), 0) * jnp.uint32(cols)
                 + lax.broadcasted_iota(jnp.uint32, (rows, cols), 1))
         y = lax.bitcast_convert_type(bits, jnp.float32)
-        got = compat.triton_e2m1_codes(y).astype(jnp.uint32)
-        want = record_codec.e2m1_sign_magnitude_codes(y)
+        got = gpu_arithmetic.triton_e2m1_codes(y).astype(jnp.uint32)
+        want = float_codes.e2m1_sign_magnitude_codes(y)
         count_ref[...] = jnp.sum((got != want).astype(jnp.int32), axis=1)
 
     programs = 2 ** 32 // (rows * cols)
@@ -206,13 +210,13 @@ def test_compiled_e2m1_codes_match_for_every_float32():
 @pytest.mark.parametrize("field, value", [("tokens_per_block", 12), ("num_warps", 0)])
 def test_writer_config_rejects_non_powers_of_two(field, value):
     with pytest.raises(ValueError, match=field):
-        pallas_triton.WriterConfig(**{field: value})
+        pallas_triton.WriterTiles(**{field: value})
 
 
 @pytest.mark.parametrize("field, value", [("tokens_per_block", 8.0), ("num_warps", True)])
 def test_writer_config_rejects_non_ints(field, value):
     with pytest.raises(TypeError, match=field):
-        pallas_triton.WriterConfig(**{field: value})
+        pallas_triton.WriterTiles(**{field: value})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 
 import oracle
 from ckv_jax import formats
-from helpers import (FLUSHES_SUBNORMALS, assert_bf16_bits_equal, assert_bytes_equal, nvfp4_every_code_and_scale,
+from helpers import (edge_case_kv, FLUSHES_SUBNORMALS, assert_bf16_bits_equal, assert_bytes_equal, nvfp4_every_code_and_scale,
                      oracle_records, random_kv)
 
 NAMES = ["fp8_ds_mla", "nvfp4_ds_mla", "bf16"]
@@ -60,40 +60,9 @@ def test_random_data_exercises_ieee_division():
     assert (exact.view(np.uint32) != recip.view(np.uint32)).sum() > 0
 
 
-def _edge_case_kv():
-    """Rows: zero tiles, +-448 boundaries, bf16 extremes, NaN/Inf, subnormals, tiny tiles."""
-    bf = ml_dtypes.bfloat16
-    finfo = ml_dtypes.finfo(bf)
-    rng = np.random.default_rng(3)
-    kv = (rng.standard_normal((12, 512))).astype(np.float32)
-    kv[0] = 0.0                                           # all-zero record
-    kv[1, :128] = 0.0                                     # one zero tile, others random
-    kv[1, 128:144] = 0.0                                  # one zero nvfp4 group
-    kv[2, :128] = np.linspace(-1, 1, 128) * 3.0           # +-amax hits exactly +-448 after scaling
-    kv[2, 128:256] = 448.0 * (1 + np.arange(128) % 3 * 2.0 ** -7)  # values at and just above 448
-    kv[3, :] = float(finfo.max) * np.sign(rng.standard_normal(512))   # bf16 max, both signs
-    kv[4, :] = float(finfo.smallest_normal) * (1 + np.arange(512) % 4)  # smallest normals
-    kv[5, 7] = np.nan                                     # NaN ignored by amax, encodes as NaN / +6
-    kv[5, 300] = -np.nan
-    kv[5, 384:] = np.nan                                  # an all-NaN fp8 tile (8 all-NaN nvfp4 groups)
-    kv[5, 448:] = -np.nan
-    kv[6, 200] = np.inf                                   # Inf tile: scale Inf / 448
-    kv[6, 400] = -np.inf
-    kv[7, ::2] = float(finfo.smallest_subnormal) * 5      # float32 subnormals in every tile
-    kv[8, :] = float(finfo.smallest_subnormal) * (np.arange(512) % 7 - 3)  # an all-subnormal record
-    kv[9, :64] = 1e-30                                    # tiny tile: scale clamps to FLT_MIN region
-    kv[10, :] = -0.0                                      # negative zeros
-    kv[11, :16] = 6.0 * 448                               # nvfp4 scale saturates near e4m3 max
-    kv_bf16 = kv.astype(bf)
-    k_pe = rng.standard_normal((12, 64)).astype(bf)
-    k_pe[0, :4] = [finfo.max, -finfo.max, finfo.smallest_subnormal, np.nan]
-    k_pe[1, :2] = [np.inf, -0.0]
-    return kv_bf16, k_pe
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_encode_edge_cases_match_oracle(name):
-    kv_c, k_pe = _edge_case_kv()
+    kv_c, k_pe = edge_case_kv()
     got = np.asarray(formats.get(name).encode(jnp.asarray(kv_c), jnp.asarray(k_pe)))
     assert_bytes_equal(got, oracle_records(name, kv_c, k_pe))
     if name == "fp8_ds_mla":
@@ -112,7 +81,7 @@ def test_subnormal_inputs_are_kept_on_every_backend(name):
     """Encoding is IEEE on every backend, XLA on CPU (which flushes subnormal operands of float
     arithmetic) included.  For fp8 a flushing encoder would give other bytes on this input;
     nvfp4's e2m1 steps are too coarse for a subnormal to survive either way."""
-    kv_c, k_pe = _edge_case_kv()
+    kv_c, k_pe = edge_case_kv()
     got = np.asarray(formats.get(name).encode(jnp.asarray(kv_c), jnp.asarray(k_pe)))
     flushed, ieee = oracle_records(name, kv_c, k_pe, flush=True), oracle_records(name, kv_c, k_pe)
     assert np.array_equal(flushed, ieee) == (name == "nvfp4_ds_mla")
@@ -122,7 +91,7 @@ def test_subnormal_inputs_are_kept_on_every_backend(name):
 def test_ieee_divide_is_exact_on_random_bit_patterns():
     """The integer long division against numpy's IEEE division: random bit patterns (subnormals,
     Inf, NaN, zeros of both signs) and the divisors the encoders use."""
-    from pallas_kernels.record_codec import xla_ieee_divide
+    from pallas_kernels.float_codes import xla_ieee_divide
     rng = np.random.default_rng(9)
     n = 200_000
     x = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32).view(np.float32).copy()
@@ -202,7 +171,7 @@ def test_decode_rejects_wrong_record_size():
 def test_e4m3_conversion_is_exact_including_ties_and_subnormals():
     """The integer float32 -> e4m3fn rounding against ml_dtypes: every e4m3 value, every
     midpoint between neighbours (ties to even), saturation, NaN, random magnitudes."""
-    from pallas_kernels.record_codec import e4m3_bytes, e4m3_values
+    from pallas_kernels.float_codes import e4m3_bytes, e4m3_values
     rng = np.random.default_rng(4)
     finite = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     finite = np.sort(finite[np.isfinite(finite)])
@@ -226,7 +195,7 @@ def test_e2m1_conversion_is_exact_including_ties():
     """The bit-level float32 -> e2m1 rounding against ml_dtypes: every e2m1 value and midpoint
     and their float32 neighbours (ties to even, the switch between the half-step and the bit
     rounding at 1.0), saturation, signed zeros, Inf, NaN, subnormals and random bit patterns."""
-    from pallas_kernels.record_codec import e2m1_nibbles
+    from pallas_kernels.float_codes import e2m1_nibbles
     rng = np.random.default_rng(5)
     grid = np.arange(8, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
     points = np.concatenate([grid, (grid[1:] + grid[:-1]) / 2, [1.0, 5.0, 6.0, 7.0, 8.0]]).astype(np.float32)
@@ -241,7 +210,7 @@ def test_e2m1_conversion_is_exact_including_ties():
     assert_bytes_equal(jax.jit(e2m1_nibbles)(x), want, "e2m1 codes")
     # the compiled writer's variant: the same codes for every input but a NaN with its sign bit
     # set, which a GPU product never is (it returns the positive canonical NaN)
-    from pallas_kernels.record_codec import e2m1_sign_magnitude_codes
+    from pallas_kernels.float_codes import e2m1_sign_magnitude_codes
     keep = ~(np.isnan(x) & np.signbit(x))
     assert_bytes_equal(np.asarray(jax.jit(e2m1_sign_magnitude_codes)(x[keep])).astype(np.uint8), want[keep],
                        "e2m1 codes (GPU variant)")
@@ -252,7 +221,8 @@ def test_nvfp4_pair_decode_is_exact_for_every_code_and_scale():
     """The dequantizing gather's nvfp4 path (integer-assembled e2m1 values, bf16 by truncating the
     float32 bits) against ml_dtypes' e2m1 x e4m3 product rounded to bf16, for every code and
     scale byte at both parities; and the f32 decode against the oracle."""
-    from pallas_kernels.record_codec import decode_nvfp4_pairs, exact_bf16_pair_words
+    from pallas_kernels.float_codes import exact_bf16_pair_words
+    from pallas_kernels.record_codec import decode_nvfp4_pairs
     fmt = formats.get("nvfp4_ds_mla")
     records = nvfp4_every_code_and_scale()
     words = jax.jit(lambda p, s: exact_bf16_pair_words(*decode_nvfp4_pairs(fmt.layout, p, s)))(

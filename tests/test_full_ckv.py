@@ -5,22 +5,14 @@ import numpy as np
 import pytest
 
 import dcp_scenario
-from ckv_jax import full_ckv, sparse_mla
+from ckv_jax import dcp_step, full_ckv, placement, sparse_mla
 from ckv_jax.dcp_layout import DcpLayout
 from ckv_jax.step_plan import build_step_plan
+from helpers import mesh_of
 
 # prefix history plus a current chunk per request; one request that is all chunk
 SEQ_LENS, QUERY_LENS = [45, 23, 70], [12, 23, 9]
 K = 24
-
-
-def mesh_of(d):
-    """A real d-device mesh: the default backend's devices, or the CPU devices the test session
-    creates (JAX_NUM_CPU_DEVICES=4) on a machine with fewer accelerators."""
-    devices = jax.devices() if len(jax.devices()) >= d else jax.devices("cpu")
-    if len(devices) < d:
-        pytest.fail(f"needs {d} devices; the test session sets JAX_NUM_CPU_DEVICES=4")
-    return jax.make_mesh((d,), (full_ckv.DCP_AXIS,), devices=devices[:d])
 
 
 @pytest.fixture(params=["xla", "pallas_triton:interpret"])
@@ -34,7 +26,7 @@ def impl(request):
 def test_gathered_workspace_is_the_rank_major_layout(d, interleave, name, impl):
     sc = dcp_scenario.build(d, interleave, name, SEQ_LENS, QUERY_LENS, seed=d * 10 + interleave)
     mesh = mesh_of(d)
-    ws = full_ckv.all_gather_ckv(full_ckv.place_caches(sc.caches, mesh), jnp.asarray(sc.block_table),
+    ws = full_ckv.all_gather_ckv(placement.place_caches(sc.caches, mesh), jnp.asarray(sc.block_table),
                                  sc.plan, mesh=mesh, format=name, **impl)
     assert ws.shape == (d * sc.plan.padded_tokens, sc.fmt.record_bytes)
     np.testing.assert_array_equal(np.asarray(ws), dcp_scenario.expected_workspace(sc))
@@ -66,7 +58,7 @@ def test_remap_topk_rows_counts_and_causality():
         r = sc.plan.req_id_per_token[t]
         keep = [x for x in topk[t] if 0 <= x <= pos[t]]
         assert counts[t] == len(keep) <= pos[t] + 1
-        want = [int(full_ckv.workspace_rows(sc.plan, r, np.int64(x))) for x in keep]
+        want = [int(dcp_step.workspace_rows(sc.plan, r, np.int64(x))) for x in keep]
         assert idx[t, :counts[t]].tolist() == want
         assert (idx[t, counts[t]:] == -1).all()
 
@@ -103,7 +95,7 @@ def _close(a, b, what):
 def test_full_ckv_equals_stock_dcp_equals_single_device(d, interleave, name):
     sc = dcp_scenario.build(d, interleave, name, SEQ_LENS, QUERY_LENS, seed=7 + d)
     mesh = mesh_of(d)
-    caches = full_ckv.place_caches(sc.caches, mesh)
+    caches = placement.place_caches(sc.caches, mesh)
     q, topk, sm_scale = _attention_inputs(sc, seed=d)
     ws = full_ckv.all_gather_ckv(caches, jnp.asarray(sc.block_table), sc.plan, mesh=mesh, format=name)
     idx, counts = full_ckv.remap_topk(topk, sc.plan)
@@ -127,7 +119,7 @@ def test_union_of_local_topks_is_not_global_topk_attention():
     d, name = 4, "fp8_ds_mla"
     sc = dcp_scenario.build(d, 1, name, SEQ_LENS, QUERY_LENS, seed=21)
     mesh = mesh_of(d)
-    caches = full_ckv.place_caches(sc.caches, mesh)
+    caches = placement.place_caches(sc.caches, mesh)
     rng = np.random.default_rng(5)
     plan, k = sc.plan, 8
     pos = plan.positions()
@@ -167,10 +159,10 @@ def test_all_gather_rejects_mesh_and_table_mismatches(monkeypatch):
     sc = dcp_scenario.build(2, 1, "fp8_ds_mla", SEQ_LENS, QUERY_LENS, seed=0)
     mesh4 = mesh_of(4)
     mesh2 = mesh_of(2)
-    caches = full_ckv.place_caches(sc.caches, mesh2)
+    caches = placement.place_caches(sc.caches, mesh2)
     table = jnp.asarray(sc.block_table)
     with pytest.raises(ValueError, match="mesh: axis 'dcp' has size 4, expected the plan's world_size 2"):
-        full_ckv.all_gather_ckv(full_ckv.place_caches(sc.caches * 2, mesh4), table, sc.plan, mesh=mesh4,
+        full_ckv.all_gather_ckv(placement.place_caches(sc.caches * 2, mesh4), table, sc.plan, mesh=mesh4,
                                 format="fp8_ds_mla")
     with pytest.raises(ValueError, match="mesh: expected an axis named 'dcp'"):
         full_ckv.all_gather_ckv(caches, table, sc.plan, format="fp8_ds_mla",
@@ -210,15 +202,15 @@ def test_patch_turns_a_history_gather_into_the_synchronous_gather(d, interleave,
     after = dcp_scenario.build(d, interleave, name, SEQ_LENS, QUERY_LENS, **kw)
     mesh = mesh_of(d)
     table = jnp.asarray(before.block_table)
-    prefetched = full_ckv.all_gather_ckv(full_ckv.place_caches(before.caches, mesh), table, before.plan, mesh=mesh,
+    prefetched = full_ckv.all_gather_ckv(placement.place_caches(before.caches, mesh), table, before.plan, mesh=mesh,
                                          format=name)
     prefetched_np = np.asarray(prefetched)
     kv_c, k_pe = dcp_scenario.chunk_latents(before)
     patched = np.asarray(full_ckv.patch_current_chunk(prefetched, kv_c, k_pe, before.plan, name, **impl))
-    synchronous = np.asarray(full_ckv.all_gather_ckv(full_ckv.place_caches(after.caches, mesh), table, after.plan,
+    synchronous = np.asarray(full_ckv.all_gather_ckv(placement.place_caches(after.caches, mesh), table, after.plan,
                                                      mesh=mesh, format=name))
     np.testing.assert_array_equal(patched, synchronous)
-    rows = full_ckv.chunk_rows(before.plan)
+    rows = dcp_step.chunk_rows(before.plan)
     history = np.setdiff1d(np.arange(patched.shape[0]), rows)
     np.testing.assert_array_equal(patched[history], prefetched_np[history])
     assert (prefetched_np[rows] != synchronous[rows]).any(), "the chunk rows were stale before the patch"
@@ -240,21 +232,21 @@ def test_place_caches_checks_the_rank_count_and_shapes():
     for n in (3, 5):
         with pytest.raises(ValueError, match=rf"per_rank_caches: expected one cache per rank of mesh axis 'dcp' "
                                              rf"\(4\), got {n}"):
-            full_ckv.place_caches([cache] * n, mesh)
+            placement.place_caches([cache] * n, mesh)
     with pytest.raises(ValueError, match=r"every rank's cache must be uint8\[4, 16, 656\] .* uint8\[5, 16, 656\] "
                                          r"for rank 2"):
-        full_ckv.place_caches([cache, cache, np.zeros((5, 16, 656), np.uint8), cache], mesh)
+        placement.place_caches([cache, cache, np.zeros((5, 16, 656), np.uint8), cache], mesh)
     with pytest.raises(ValueError, match=r"expected uint8\[num_blocks, block_size, R\] per rank, got float32"):
-        full_ckv.place_caches([cache.astype(np.float32)] * 4, mesh)
+        placement.place_caches([cache.astype(np.float32)] * 4, mesh)
     with pytest.raises(ValueError, match=r"mesh: expected an axis named 'dcp', got axes \('x',\)"):
-        full_ckv.place_caches([cache] * 4, jax.make_mesh((4,), ("x",), devices=mesh.devices.flat))
+        placement.place_caches([cache] * 4, jax.make_mesh((4,), ("x",), devices=mesh.devices.flat))
 
 
 def test_attention_entries_check_their_inputs():
     sc = dcp_scenario.build(2, 1, "fp8_ds_mla", SEQ_LENS, QUERY_LENS, seed=3)
     mesh = mesh_of(2)
     q, topk, sm_scale = _attention_inputs(sc, seed=1)
-    ws = full_ckv.all_gather_ckv(full_ckv.place_caches(sc.caches, mesh), jnp.asarray(sc.block_table), sc.plan,
+    ws = full_ckv.all_gather_ckv(placement.place_caches(sc.caches, mesh), jnp.asarray(sc.block_table), sc.plan,
                                  mesh=mesh, format="fp8_ds_mla", implementation="xla")
     idx, cnt = full_ckv.remap_topk(topk, sc.plan)
     t = sc.plan.num_tokens
@@ -282,10 +274,10 @@ def test_attention_entries_check_their_inputs():
     with pytest.raises(ValueError, match=r"records: expected uint8\[N, 1152\] for format bf16"):
         sparse_mla.sparse_mla_reference(q, ws, idx, cnt, sm_scale, format="bf16")
     with pytest.raises(ValueError, match=rf"topk: expected int32\[{t}, K\]"):
-        sparse_mla.stock_dcp_attention(q, full_ckv.place_caches(sc.caches, mesh), sc.block_table, topk[:-1],
+        sparse_mla.stock_dcp_attention(q, placement.place_caches(sc.caches, mesh), sc.block_table, topk[:-1],
                                        sc.plan, sm_scale, format="fp8_ds_mla", mesh=mesh)
     with pytest.raises(ValueError, match=r"mesh: axis 'dcp' has size 4, expected the plan's world_size 2"):
-        sparse_mla.stock_dcp_attention(q, full_ckv.place_caches(sc.caches * 2, mesh_of(4)), sc.block_table, topk,
+        sparse_mla.stock_dcp_attention(q, placement.place_caches(sc.caches * 2, mesh_of(4)), sc.block_table, topk,
                                        sc.plan, sm_scale, format="fp8_ds_mla", mesh=mesh_of(4))
 
 
@@ -295,7 +287,7 @@ def test_a_nan_reaches_its_row_and_only_its_row():
     and an empty row stays (zeros, -inf)."""
     sc = dcp_scenario.build(2, 1, "bf16", SEQ_LENS, QUERY_LENS, seed=4)
     mesh = mesh_of(2)
-    caches = full_ckv.place_caches(sc.caches, mesh)
+    caches = placement.place_caches(sc.caches, mesh)
     q, topk, sm_scale = _attention_inputs(sc, seed=2)
     q = q.at[0, 0, 0].set(jnp.nan)
     ws = full_ckv.all_gather_ckv(caches, jnp.asarray(sc.block_table), sc.plan, mesh=mesh, format="bf16",
@@ -326,14 +318,14 @@ def test_a_nan_reaches_its_row_and_only_its_row():
 
 def test_outputs_index_like_ordinary_arrays_on_a_default_mesh():
     sc = dcp_scenario.build(2, 1, "fp8_ds_mla", SEQ_LENS, QUERY_LENS, seed=6)
-    mesh = jax.make_mesh((2,), (full_ckv.DCP_AXIS,), devices=jax.devices("cpu")[:2])   # explicit axis types
+    mesh = jax.make_mesh((2,), (placement.DCP_AXIS,), devices=jax.devices("cpu")[:2])   # explicit axis types
     q, topk, sm_scale = _attention_inputs(sc, seed=3)
-    ws = full_ckv.all_gather_ckv(full_ckv.place_caches(sc.caches, mesh), jnp.asarray(sc.block_table), sc.plan,
+    ws = full_ckv.all_gather_ckv(placement.place_caches(sc.caches, mesh), jnp.asarray(sc.block_table), sc.plan,
                                  mesh=mesh, format="fp8_ds_mla", implementation="xla")
     idx, cnt = full_ckv.remap_topk(topk, sc.plan)
     out, lse = sparse_mla.full_ckv_attention(q, ws, idx, cnt, sm_scale, format="fp8_ds_mla", mesh=mesh)
     assert np.isfinite(float(out[0, 0, 0])) and np.isfinite(float(lse[0, 1])) and ws[0, 0].shape == ()
-    m = full_ckv.dcp_mesh(2, jax.devices("cpu"))
-    assert m.axis_names == (full_ckv.DCP_AXIS,) and m.axis_types == (jax.sharding.AxisType.Auto,)
+    m = placement.dcp_mesh(2, jax.devices("cpu"))
+    assert m.axis_names == (placement.DCP_AXIS,) and m.axis_types == (jax.sharding.AxisType.Auto,)
     with pytest.raises(ValueError, match=r"world_size: 8 ranks need as many devices, got 4 \(cpu\); on a CPU set"):
-        full_ckv.dcp_mesh(8, jax.devices("cpu"))
+        placement.dcp_mesh(8, jax.devices("cpu"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import interop
-from ckv_jax import formats, full_ckv
+from ckv_jax import formats, full_ckv, placement
 from ckv_jax.prefetch_config import GatherConfig
 from interop import torch_records
 from torch_engine_sim import STEPS, TorchEngine
@@ -19,7 +19,7 @@ FP8 = formats.get("fp8_ds_mla")
 
 
 def one_device_mesh():
-    return jax.make_mesh((1,), (full_ckv.DCP_AXIS,), devices=jax.devices()[:1])
+    return jax.make_mesh((1,), (placement.DCP_AXIS,), devices=jax.devices()[:1])
 
 
 # -- bridge ------------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ def test_every_rejected_input_names_the_argument():
     with pytest.raises(ValueError, match=r"kv_cache: on cpu, expected the device of JAX's"):
         interop.to_jax(cache, name="kv_cache", device=jax.devices()[1])
     with pytest.raises(ValueError, match=r"single-device"):
-        interop.to_torch(full_ckv.replicated(jax.make_mesh((2,), ("dcp",), devices=jax.devices()[:2]),
+        interop.to_torch(placement.replicated(jax.make_mesh((2,), ("dcp",), devices=jax.devices()[:2]),
                                              jnp.zeros(4))[0])
 
 
@@ -89,7 +89,7 @@ def _adapter(depth, engine, **kw):
 
 def _synchronous_gather(engine, layer, plan):
     """The pure-JAX pipeline's answer: the layer's cache (after its write) gathered now."""
-    cache = full_ckv.place_caches([engine.caches[layer].cpu().numpy()], one_device_mesh())
+    cache = placement.place_caches([engine.caches[layer].cpu().numpy()], one_device_mesh())
     return np.asarray(full_ckv.all_gather_ckv(cache, jnp.asarray(engine.block_table.cpu().numpy()), plan,
                                               mesh=one_device_mesh(), format=engine.fmt))
 

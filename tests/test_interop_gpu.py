@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import interop
-from ckv_jax import formats, full_ckv
+from ckv_jax import formats, full_ckv, placement
 from ckv_jax.prefetch_config import GatherConfig
 from helpers import copies_of_at_least
 from interop import torch_records
@@ -80,7 +80,7 @@ def test_prefetch_stays_exact_while_torch_writes_and_churns(depth, ordering, str
     adapter = _adapter(depth, ordering, layers)
     assert adapter.ordering == ordering
     a = torch.randn(4096, 4096, device="cuda")
-    mesh = jax.make_mesh((1,), (full_ckv.DCP_AXIS,), devices=jax.devices()[:1])
+    mesh = jax.make_mesh((1,), (placement.DCP_AXIS,), devices=jax.devices()[:1])
     torch_stream = torch.cuda.Stream() if stream == "side" else torch.cuda.default_stream()
     with torch.cuda.stream(torch_stream):
         for _ in range(2):
@@ -105,7 +105,7 @@ def test_prefetch_stays_exact_while_torch_writes_and_churns(depth, ordering, str
                     del ws
                 torch_stream.synchronize()
                 for layer in range(layers):
-                    expect = full_ckv.all_gather_ckv(full_ckv.place_caches([want[layer].cpu().numpy()], mesh),
+                    expect = full_ckv.all_gather_ckv(placement.place_caches([want[layer].cpu().numpy()], mesh),
                                                      jnp.asarray(engine.block_table.cpu().numpy()), plan, mesh=mesh,
                                                      format="fp8_ds_mla")
                     np.testing.assert_array_equal(got[layer].cpu().numpy(), np.asarray(expect),
@@ -179,13 +179,16 @@ def test_without_the_private_api_the_adapter_falls_back_and_says_so(monkeypatch,
 
 
 def test_the_gather_program_holds_no_copy_of_the_slot():
-    from ckv_jax import prefetch
-    mesh = jax.make_mesh((1,), (full_ckv.DCP_AXIS,), devices=jax.devices()[:1])
-    slot = full_ckv.replicated(mesh, jnp.zeros((8192, 656), jnp.uint8))[0]
-    cache = full_ckv.place_caches([np.zeros((128, 64, 656), np.uint8)], mesh)
-    table, cu = full_ckv.replicated(mesh, jnp.zeros((1, 128), jnp.int32), jnp.asarray([[0, 8000]], jnp.int32))
-    hlo = prefetch._gather_slot.lower(slot, cache, table, cu, None, mesh=mesh, axis_name="dcp", num_rows=8192,
-                                      implementation="pallas_triton", interpret=False).compile().as_text()
+    from ckv_jax import dcp_step
+    from ckv_jax.dcp_layout import DcpLayout
+    from ckv_jax.step_plan import build_step_plan
+    mesh = jax.make_mesh((1,), (placement.DCP_AXIS,), devices=jax.devices()[:1])
+    slot = placement.replicated(mesh, jnp.zeros((8192, 656), jnp.uint8))[0]
+    cache = placement.place_caches([np.zeros((128, 64, 656), np.uint8)], mesh)
+    plan = build_step_plan(DcpLayout(1, 1, 64), np.array([8192]), np.array([32]), min_world_size=1)
+    arrays = dcp_step.step_arrays(plan, np.zeros((1, 128), np.int32), mesh)
+    hlo = dcp_step.gather_program.lower(cache, arrays, slot, None, mesh=mesh, axis_name="dcp",
+                                        implementation="pallas_triton", interpret=False).compile().as_text()
     assert copies_of_at_least(hlo, 8192 * 656) == []
     assert "ckv_gather_records" in hlo
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ckv_jax import full_ckv
+from ckv_jax import full_ckv, placement
 from helpers import run_workers
 from torch_engine_sim import STEPS, TorchEngine
 from ckv_jax import formats
@@ -21,14 +21,14 @@ def test_two_torch_processes_gather_what_one_jax_process_gathers(tmp_path, depth
         assert p.returncode == 0, logs[pid][-3000:]
     ranks = [np.load(out) for out in outs]
     np.testing.assert_array_equal(ranks[0]["decisions"], ranks[1]["decisions"])
-    from test_full_ckv import mesh_of
+    from helpers import mesh_of
     mesh = mesh_of(2)
     engine = TorchEngine(2, 0, formats.get("fp8_ds_mla"), 1)
     table = jnp.asarray(engine.block_table.numpy())
     for s, (hist, q) in enumerate(STEPS):
         plan = engine.plan(hist, q)
         for layer in range(3):
-            caches = full_ckv.place_caches([r[f"cache_{s}_{layer}"] for r in ranks], mesh)
+            caches = placement.place_caches([r[f"cache_{s}_{layer}"] for r in ranks], mesh)
             want = np.asarray(full_ckv.all_gather_ckv(caches, table, plan, mesh=mesh, format="fp8_ds_mla"))
             for rank, r in enumerate(ranks):
                 np.testing.assert_array_equal(r[f"ws_{s}_{layer}"], want, err_msg=f"rank {rank} step {s} layer {layer}")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import dcp_scenario
-from ckv_jax import full_ckv
+from ckv_jax import full_ckv, placement
 from helpers import run_workers
 from mp_case import CASE
 
@@ -19,9 +19,9 @@ def test_two_processes_gather_the_same_bytes_as_one(tmp_path):
         assert p.returncode == 0, logs[pid][-3000:]
 
     sc = dcp_scenario.build(**CASE)
-    from test_full_ckv import mesh_of
+    from helpers import mesh_of
     mesh = mesh_of(4)
-    single = np.asarray(full_ckv.all_gather_ckv(full_ckv.place_caches(sc.caches, mesh), jnp.asarray(sc.block_table),
+    single = np.asarray(full_ckv.all_gather_ckv(placement.place_caches(sc.caches, mesh), jnp.asarray(sc.block_table),
                                                 sc.plan, mesh=mesh, format=CASE["fmt_name"]))
     np.testing.assert_array_equal(single, dcp_scenario.expected_workspace(sc))
     for out in outs:

@@ -137,8 +137,8 @@ def test_gather_dequant_nvfp4_every_code_and_scale(kernel_mode):
 
 
 # tiles smaller than, equal to and larger than the block (a tile spanning 4 pages), narrow pieces
-CONFIGS = [pallas_triton.GatherConfig(4, 1, 16), pallas_triton.GatherConfig(8, 4, 512),
-           pallas_triton.GatherConfig(32, 8, 128, evict_first=True)]
+CONFIGS = [pallas_triton.GatherTiles(4, 1, 16), pallas_triton.GatherTiles(8, 4, 512),
+           pallas_triton.GatherTiles(32, 8, 128, evict_first=True)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"tile{c.rows_per_tile}_w{c.num_warps}_p{c.max_piece_bytes}_e{int(c.evict_first)}")
@@ -208,7 +208,7 @@ def test_record_pieces_cover_the_record(record_bytes, max_piece, want):
 
 @pytest.mark.parametrize("num_reqs", [1, 8])
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("config", [pallas_triton.GatherConfig(), pallas_triton.GatherConfig(16, 8, 256, True)])
+@pytest.mark.parametrize("config", [pallas_triton.GatherTiles(), pallas_triton.GatherTiles(16, 8, 256, True)])
 def test_gathers_lower_for_cuda(name, config, num_reqs):
     layout = formats.get(name).layout
     sds = jax.ShapeDtypeStruct
@@ -225,7 +225,7 @@ def test_gathers_lower_for_cuda(name, config, num_reqs):
 @pytest.mark.parametrize("field", ["rows_per_tile", "num_warps", "max_piece_bytes"])
 def test_gather_config_rejects_non_powers_of_two(field):
     with pytest.raises(ValueError, match=field):
-        pallas_triton.GatherConfig(**{field: 48})
+        pallas_triton.GatherTiles(**{field: 48})
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 16])

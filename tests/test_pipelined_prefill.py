@@ -5,10 +5,10 @@ import pytest
 from jax import lax
 
 import dcp_scenario
-from ckv_jax import formats, full_ckv, sparse_mla
+from ckv_jax import formats, full_ckv, placement, sparse_mla
 from ckv_jax.pipelined_prefill import MlaLayer, prefill_layers
 from helpers import copies_of_at_least
-from test_full_ckv import mesh_of
+from helpers import mesh_of
 
 SEQ_LENS, QUERY_LENS = [45, 23, 70], [12, 23, 9]
 HEADS, D_MODEL, K, LAYERS = 4, 32, 16, 4
@@ -22,7 +22,7 @@ def make_layer(fmt_name, d):
         t = x.shape[0]
         kv = x @ p["w_kv"]
         q = (x @ p["w_q"]).reshape(t, HEADS, 576)
-        q = lax.dynamic_slice_in_dim(q, lax.axis_index(full_ckv.DCP_AXIS) * heads_local, heads_local, axis=1)
+        q = lax.dynamic_slice_in_dim(q, lax.axis_index(placement.DCP_AXIS) * heads_local, heads_local, axis=1)
         return q.astype(jnp.bfloat16), kv[:, :512].astype(jnp.bfloat16), kv[:, 512:].astype(jnp.bfloat16)
 
     def attend(q, workspace, indices, counts):
@@ -30,7 +30,7 @@ def make_layer(fmt_name, d):
         return out.astype(jnp.bfloat16)
 
     def finish(p, x, out):
-        heads = lax.all_gather(out, full_ckv.DCP_AXIS, axis=1, tiled=True)        # [T, H, 512]
+        heads = lax.all_gather(out, placement.DCP_AXIS, axis=1, tiled=True)        # [T, H, 512]
         return x + heads.reshape(x.shape[0], -1).astype(jnp.float32) @ p["w_o"]
 
     return MlaLayer(project, attend, finish)
@@ -66,7 +66,7 @@ def test_depths_are_bit_identical_to_the_synchronous_path(d, interleave, fmt_nam
     layer = make_layer(fmt_name, d)
     results = {}
     for depth in (0, 1, 2, 3):
-        caches = [full_ckv.place_caches(sc.caches, mesh) for sc in scenarios]
+        caches = [placement.place_caches(sc.caches, mesh) for sc in scenarios]
         x_out, new_caches, used = prefill_layers(
             x, caches, params, scenarios[0].block_table, plan, idx, cnt, layer=layer, depth=depth, mesh=mesh,
             format=fmt_name, return_workspaces=True)
@@ -87,7 +87,7 @@ def test_depths_are_bit_identical_to_the_synchronous_path(d, interleave, fmt_nam
 def test_prefill_layers_rejects_bad_arguments():
     scenarios, plan, params, x, idx, cnt = _step(2, 1, "fp8_ds_mla")
     mesh = mesh_of(2)
-    caches = [full_ckv.place_caches(sc.caches, mesh) for sc in scenarios]
+    caches = [placement.place_caches(sc.caches, mesh) for sc in scenarios]
     layer = make_layer("fp8_ds_mla", 2)
     with pytest.raises(ValueError, match="depth: expected an int >= 0, got -1"):
         prefill_layers(x, caches, params, scenarios[0].block_table, plan, idx, cnt, layer=layer, depth=-1,
@@ -106,7 +106,7 @@ def test_the_step_program_copies_no_workspace(d, depth):
     """Each gathered workspace is written once, where it lives: no ring it is copied into, and
     the patch updates it in place."""
     scenarios, plan, params, x, idx, cnt = _step(d, 1, "fp8_ds_mla")
-    caches = [full_ckv.place_caches(sc.caches, mesh_of(d)) for sc in scenarios]
+    caches = [placement.place_caches(sc.caches, mesh_of(d)) for sc in scenarios]
     hlo = prefill_layers(x, caches, params, scenarios[0].block_table, plan, idx, cnt, layer=make_layer("fp8_ds_mla", d),
                          depth=depth, mesh=mesh_of(d), format="fp8_ds_mla", implementation="xla", compiled_text=True)
     assert copies_of_at_least(hlo, d * plan.padded_tokens * 656) == []

@@ -4,13 +4,12 @@ import numpy as np
 import pytest
 
 import dcp_scenario
-from ckv_jax import full_ckv, prefetch
+from ckv_jax import dcp_step, formats, full_ckv, placement
 from ckv_jax.dcp_layout import DcpLayout
-from ckv_jax.prefetch import PrefetchOrchestrator, supports_lookahead, target_layers
+from ckv_jax.prefetch import PrefetchOrchestrator, target_layers
 from ckv_jax.prefetch_config import GatherConfig
 from ckv_jax.step_plan import build_step_plan
-from helpers import copies_of_at_least
-from test_full_ckv import mesh_of
+from helpers import copies_of_at_least, mesh_of
 
 FINAL_LENS = np.array([45, 40, 70])
 # two chunked-prefill steps after a prefix: positions [h, h + q) are written in each step
@@ -33,8 +32,8 @@ def test_targets_skip_pending_and_stop_at_first_unregistered_layer():
 
 
 def test_native_record_formats_support_lookahead():
-    assert supports_lookahead("fp8_ds_mla") and supports_lookahead("nvfp4_ds_mla")
-    assert not supports_lookahead("bf16") and not supports_lookahead("auto")
+    assert formats.get("fp8_ds_mla").lookahead and formats.get("nvfp4_ds_mla").lookahead
+    assert not formats.get("bf16").lookahead and not formats.get("auto").lookahead
     assert _orchestrator(2, 2, fmt="bf16").depth == 0
 
 
@@ -81,7 +80,7 @@ class Engine:
                                           written=STEPS[0][0]) for l in range(LAYERS)]
         self.mesh = mesh_of(d)
         self.layout = self.layers[0].layout
-        self.caches = [full_ckv.place_caches(sc.caches, self.mesh) for sc in self.layers]
+        self.caches = [placement.place_caches(sc.caches, self.mesh) for sc in self.layers]
         self.orch = PrefetchOrchestrator(self.mesh, self.layout, fmt, max_num_seqs=4,
                                          config=GatherConfig(enabled=True, depth=depth, workspace_mib=0,
                                                              max_tokens=512), **orchestrator_args)
@@ -197,7 +196,7 @@ def test_missing_layer_index_gathers_synchronously_and_lanes_keep_their_own_pend
     assert set(engine.orch.lane("target").pending) == {1} and not engine.orch.lane("draft").pending
     want = dcp_scenario.expected_workspace(engine.layers[2], seq_lens=hist + q, plan=plan)
     got = np.asarray(ws)[:len(want)]
-    keep = np.setdiff1d(np.arange(len(got)), full_ckv.chunk_rows(plan))   # layer 2 has not written its chunk
+    keep = np.setdiff1d(np.arange(len(got)), dcp_step.chunk_rows(plan))   # layer 2 has not written its chunk
     np.testing.assert_array_equal(got[keep], want[keep])
 
 
@@ -208,11 +207,13 @@ def test_a_gather_writes_straight_into_its_ring_slot(d):
     rows are copied into the slot once (XLA cannot all-gather into a slice of another buffer)."""
     mesh = mesh_of(d)
     padded, capacity, record_bytes = 256, 1024, 656
-    slot = full_ckv.replicated(mesh, jnp.zeros((d * capacity, record_bytes), jnp.uint8))[0]
-    cache = full_ckv.place_caches([np.zeros((8, 64, record_bytes), np.uint8)] * d, mesh)
-    table, cu = full_ckv.replicated(mesh, jnp.zeros((1, 8), jnp.int32), jnp.asarray([[0, 200]] * d, jnp.int32))
-    hlo = prefetch._gather_slot.lower(slot, cache, table, cu, None, mesh=mesh, axis_name=full_ckv.DCP_AXIS,
-                                      num_rows=padded, implementation="xla", interpret=False).compile().as_text()
+    slot = placement.replicated(mesh, jnp.zeros((d * capacity, record_bytes), jnp.uint8))[0]
+    cache = placement.place_caches([np.zeros((8, 64, record_bytes), np.uint8)] * d, mesh)
+    plan = build_step_plan(DcpLayout(d, 1, 64), np.array([200 * d]), np.array([32]), min_world_size=1)
+    assert plan.padded_tokens == padded
+    arrays = dcp_step.step_arrays(plan, np.zeros((1, 8), np.int32), mesh)
+    hlo = dcp_step.gather_program.lower(cache, arrays, slot, None, mesh=mesh, axis_name=placement.DCP_AXIS,
+                                        implementation="xla", interpret=False).compile().as_text()
     moved = copies_of_at_least(hlo, d * padded * record_bytes)
     assert not [c for c in moved if "dynamic-update-slice" not in c], moved     # no copy of the slot
     assert len(moved) == (0 if d == 1 else 1), moved
@@ -231,4 +232,4 @@ def test_a_bounded_prefetch_pack_gives_the_same_bytes():
             np.testing.assert_array_equal(ws, want, err_msg=f"step {s} layer {l}")
     assert [how for _, _, how, _ in engine.orch.decisions] == ["sync", "prefetched", "prefetched", "prefetched"]
     with pytest.raises(ValueError, match="programs: expected a positive number"):
-        prefetch.prefetch_tiles(engine.mesh.devices.flat[0], -1)
+        dcp_step.bounded_pack_tiles(-1)

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import dcp_scenario
-from ckv_jax import full_ckv, sparse_mla
+from ckv_jax import full_ckv, placement, sparse_mla
 from helpers import run_workers
-from test_full_ckv import mesh_of
+from helpers import mesh_of
 
 
 @st.composite
@@ -30,7 +30,7 @@ def test_gathered_bytes_are_exact_or_the_documented_error(case):
     d, interleave, block, lens, queries, fmt, special, seed = case
     sc = dcp_scenario.build(d, interleave, fmt, lens, queries, block_size=block, seed=seed, special=special)
     mesh = mesh_of(d)
-    caches = full_ckv.place_caches(sc.caches, mesh)
+    caches = placement.place_caches(sc.caches, mesh)
     table = jnp.asarray(sc.block_table)          # stale ids (-1, num_blocks + 7, 2**31 - 1) past each prefix
     got = np.asarray(full_ckv.all_gather_ckv(caches, table, sc.plan, mesh=mesh, format=fmt, implementation="xla",
                                              validate=False))
@@ -52,7 +52,7 @@ def test_adversarial_block_ids_inside_a_prefix_are_masked_or_rejected(bad):
     num_blocks = sc.caches[0].shape[0]
     table[1, 1] = num_blocks if bad == "num_blocks" else bad
     mesh = mesh_of(2)
-    caches = full_ckv.place_caches(sc.caches, mesh)
+    caches = placement.place_caches(sc.caches, mesh)
     with pytest.raises(ValueError, match=rf"block_table: request 1 block 1 is {table[1, 1]}, expected a block id in "
                                          rf"\[0, {num_blocks}\)"):
         full_ckv.all_gather_ckv(caches, jnp.asarray(table), sc.plan, mesh=mesh, format="fp8_ds_mla", validate=True)
@@ -74,7 +74,7 @@ def test_a_nan_scale_in_a_cache_is_copied_raw_and_named_by_validation():
     block = sc.block_table[0, 0]
     caches[1][block, 2, 512:516] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
     mesh = mesh_of(2)
-    placed = full_ckv.place_caches(caches, mesh)
+    placed = placement.place_caches(caches, mesh)
     got = np.asarray(full_ckv.all_gather_ckv(placed, jnp.asarray(sc.block_table), sc.plan, mesh=mesh,
                                              format="fp8_ds_mla"))
     row = sc.plan.padded_tokens + 2                  # rank 1, local record 2
@@ -92,7 +92,7 @@ def test_repeated_runs_are_bit_identical():
     topk = np.minimum(rng.integers(0, 100, (sc.plan.num_tokens, 16)), sc.plan.positions()[:, None]).astype(np.int32)
     runs = []
     for _ in range(3):
-        ws = full_ckv.all_gather_ckv(full_ckv.place_caches([c.copy() for c in sc.caches], mesh),
+        ws = full_ckv.all_gather_ckv(placement.place_caches([c.copy() for c in sc.caches], mesh),
                                      jnp.asarray(sc.block_table), sc.plan, mesh=mesh, format="nvfp4_ds_mla")
         idx, cnt = full_ckv.remap_topk(jnp.asarray(topk), sc.plan)
         out, lse = sparse_mla.sparse_mla_reference(q, ws, idx, cnt, 0.04, format="nvfp4_ds_mla")

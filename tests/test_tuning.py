@@ -1,6 +1,9 @@
-"""The measured implementation choice: the tuning table, its lookup, and the sweep's table rows."""
+"""The measured implementation choice: the tuned tables (data), their lookup, the selection
+object of each op, and the sweep's table rows."""
 import dataclasses
 import json
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -9,15 +12,15 @@ import pytest
 
 from ckv_jax import formats
 from ckv_jax.benchmarks import timing as timing_mod
-from ckv_jax.benchmarks import tune
-from pallas_kernels import _registry, cache_writer, paged_gather, tuning
-from pallas_kernels.cache_writer import WriterConfig
-from pallas_kernels.paged_gather import GatherConfig
+from pallas_kernels import cache_writer, paged_gather, selection, tuning
+from pallas_kernels.cache_writer import WriterTiles
+from pallas_kernels.paged_gather import GatherTiles
 
-REGISTRIES = {"gather_records": (paged_gather.RECORDS, GatherConfig),
-              "gather_dequant": (paged_gather.DEQUANT, GatherConfig),
-              "gather_slots": (paged_gather.SLOTS, GatherConfig),
-              "write_records": (cache_writer.IMPLEMENTATIONS, WriterConfig)}
+sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
+import tune  # noqa: E402  (a maintainer tool, not installed)
+
+OPS = {op.name: op for op in (paged_gather.GATHER_RECORDS, paged_gather.GATHER_DEQUANT, paged_gather.GATHER_SLOTS,
+                              cache_writer.WRITE_RECORDS)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,58 +29,94 @@ class FakeDevice:
     device_kind: str
 
 
-def test_table_rows_are_valid():
-    assert tuning.TABLE, "the H200 rows are measured and must be present"
-    for (op, kind), rows in tuning.TABLE.items():
-        registry, config_type = REGISTRIES[op]
-        bounds = [row[0] for row in rows]
-        assert bounds[0] == 0 and bounds == sorted(set(bounds)), (op, kind)
-        for _, order, configs in rows:
-            assert order and set(order) <= set(registry), (op, order)
-            for impl, fields in configs.items():
-                assert impl in order
-                config_type(**fields)                      # every tuned config is constructible
+@pytest.fixture
+def tuned(tmp_path, monkeypatch):
+    """tuned(op, rows): a table of this host's device kind holding `rows` (min_work_bytes, order,
+    configs) for `op`, read from a JSON file as the shipped tables are."""
+    monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path)
+    tuning.table.cache_clear()
+
+    def write(op, rows):
+        kind = jax.devices()[0].device_kind
+        doc = dict(device_kind=kind, measured_by="test", ops={op: [
+            dict(min_work_bytes=lo, order=list(order), configs=configs) for lo, order, configs in rows]})
+        tuning.table_path(kind).write_text(json.dumps(doc))
+        tuning.table.cache_clear()
+    yield write
+    tuning.table.cache_clear()
 
 
-def test_lookup_picks_the_row_by_bytes_and_falls_back_to_the_default():
-    rows = tuning.TABLE[("gather_records", "NVIDIA H200")]
+def test_shipped_tables_are_valid():
+    paths = sorted(tuning.TABLE_DIR.glob("*.json"))
+    assert paths, "the H200 table is measured and must be shipped"
+    for path in paths:
+        doc = json.loads(path.read_text())
+        assert tuning.table_path(doc["device_kind"]) == path
+        for op, rows in doc["ops"].items():
+            bounds = [row["min_work_bytes"] for row in rows]
+            assert bounds[0] == 0 and bounds == sorted(set(bounds)), (op, path)
+            for row in rows:
+                assert row["order"] and set(row["order"]) <= set(OPS[op].names), (op, row)
+                for impl, fields in row["configs"].items():
+                    assert impl in row["order"]
+                    OPS[op].config_type(**fields)          # every tuned config is constructible
+
+
+def test_lookup_picks_the_entry_by_bytes_and_falls_back_to_the_default():
+    rows = json.loads(tuning.table_path("NVIDIA H200").read_text())["ops"]["gather_records"]
     h200 = FakeDevice("NVIDIA H200")
-    for i, (lo, order, configs) in enumerate(rows):
-        for nbytes in {lo, lo + 1, (rows[i + 1][0] - 1) if i + 1 < len(rows) else 10 * lo + 1}:
-            choice = tuning.lookup("gather_records", h200, nbytes)
-            assert choice.order == order and choice.configs == configs, (nbytes, i)
-    assert tuning.lookup("gather_records", FakeDevice("some other GPU"), 1 << 30) == tuning.DEFAULT
-    assert tuning.lookup("gather_records", jax.devices()[0], 1 << 30) == tuning.DEFAULT
+    for i, row in enumerate(rows):
+        lo = row["min_work_bytes"]
+        for nbytes in {lo, lo + 1, (rows[i + 1]["min_work_bytes"] - 1) if i + 1 < len(rows) else 10 * lo + 1}:
+            entry = tuning.lookup("gather_records", h200, nbytes)
+            assert entry.order == tuple(row["order"]) and entry.configs == row["configs"], (nbytes, i)
+    assert tuning.lookup("gather_records", FakeDevice("some other GPU"), 1 << 30) == tuning.Entry()
+    assert tuning.lookup("gather_records", jax.devices()[0], 1 << 30) == tuning.Entry()
 
 
-def test_config_for_prefers_the_callers_config():
-    choice = tuning.Choice(("pallas_triton",), {"pallas_triton": {"rows_per_tile": 4, "num_warps": 2}})
-    assert tuning.config_for(choice, "pallas_triton", GatherConfig) == GatherConfig(4, 2)
-    given = GatherConfig(32, 8)
-    assert tuning.config_for(choice, "pallas_triton", GatherConfig, given) is given
-    assert tuning.config_for(choice, "xla", GatherConfig) is None
+def test_select_prefers_the_callers_config(tuned):
+    tuned("gather_records", [(0, ("pallas_triton",), {"pallas_triton": {"rows_per_tile": 4, "num_warps": 2}})])
+    op, cpu = paged_gather.GATHER_RECORDS, jax.devices()[0]
+    assert op.select(None, cpu, 1024, 1024, interpret=True).config == GatherTiles(4, 2)
+    given = GatherTiles(32, 8)
+    assert op.select(None, cpu, 1024, 1024, interpret=True, config=given).config is given
+    assert op.select("xla", cpu, 1024, 1024).config is None
 
 
-def test_a_tuned_order_falls_back_to_the_rest_of_the_default_order():
+def test_a_tuned_order_falls_back_to_the_rest_of_the_default_order(tuned):
     cpu = jax.devices()[0]
     # Pallas Triton is not supported compiled on a CPU: the default order's xla is the fallback
-    impl = _registry.choose(paged_gather.RECORDS, ("pallas_triton", "xla"), None, cpu, 1024,
-                            tuned_order=("pallas_triton",))
-    assert impl.name == "xla"
-    impl = _registry.choose(paged_gather.RECORDS, ("pallas_triton", "xla"), None, cpu, 1024,
-                            tuned_order=("pallas_mosaic_gpu", "pallas_triton"))
-    assert impl.name == "xla"
+    tuned("gather_records", [(0, ("pallas_triton",), {})])
+    assert paged_gather.GATHER_RECORDS.select(None, cpu, 1024, 1024).name == "xla"
+    tuned("gather_records", [(0, ("pallas_mosaic_gpu", "pallas_triton"), {})])
+    assert paged_gather.GATHER_RECORDS.select(None, cpu, 1024, 1024).name == "xla"
 
 
-def test_the_api_runs_the_tuned_config(monkeypatch):
-    """A table row for this device kind reaches the kernel: the tuned 4-row tiles run (in
+def test_selection_rejects_unknown_names_and_types():
+    cpu = jax.devices()[0]
+    with pytest.raises(ValueError, match=r"implementation: expected one of \['pallas_triton', 'xla'\]"):
+        cache_writer.WRITE_RECORDS.select("cuda", cpu, 1024, 1024)
+    with pytest.raises(TypeError, match="implementation: expected None, a name or a sequence of names"):
+        cache_writer.WRITE_RECORDS.select(3, cpu, 1024, 1024)
+    with pytest.raises(ValueError, match="default_order: names \\['nope'\\]"):
+        selection.KernelOp("x", (), ("nope",))
+
+
+def test_a_selected_kernel_is_hashable_and_equal_by_value():
+    """jit caches key on the selection (a static argument): equal choices must hash equal."""
+    cpu = jax.devices()[0]
+    a = cache_writer.WRITE_RECORDS.select("xla", cpu, 1024, 1024, config=WriterTiles(4, 2))
+    b = cache_writer.WRITE_RECORDS.select("xla", cpu, 2048, 4096, config=WriterTiles(4, 2))
+    assert a == b and hash(a) == hash(b)
+
+
+def test_the_api_runs_the_tuned_config(tuned):
+    """A table entry for this device kind reaches the kernel: the tuned 4-row tiles run (in
     interpret mode) and the result equals the reference."""
     cpu = jax.devices()[0]
-    row = (0, ("pallas_triton", "xla"), {"pallas_triton": {"rows_per_tile": 4, "num_warps": 2}})
-    monkeypatch.setitem(tuning.TABLE, ("gather_records", cpu.device_kind), (row,))
-    impl, config = paged_gather.api._pick("gather_records", paged_gather.api.choose_records, None,
-                                          jnp.zeros((4, 8, 16), jnp.uint8), 1000, True, None)
-    assert (impl.name, config) == ("pallas_triton", GatherConfig(4, 2))
+    tuned("gather_records", [(0, ("pallas_triton", "xla"), {"pallas_triton": {"rows_per_tile": 4, "num_warps": 2}})])
+    chosen = paged_gather.select_records(None, cpu, 4 * 8 * 16, 500, 16, interpret=True)
+    assert (chosen.name, chosen.config) == ("pallas_triton", GatherTiles(4, 2))
     rng = np.random.default_rng(3)
     fmt = formats.get("fp8_ds_mla")
     cache = jnp.asarray(rng.integers(0, 256, (6, 8, fmt.record_bytes), dtype=np.uint8))
@@ -86,6 +125,20 @@ def test_the_api_runs_the_tuned_config(monkeypatch):
     got = paged_gather.gather_records(cache, table, cu, num_rows=27, interpret=True)
     want = paged_gather.gather_records_reference(cache, table, cu, num_rows=27)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_the_tune_tool_writes_the_table_the_lookup_reads(tmp_path, monkeypatch):
+    a = {"rows_per_tile": 8, "num_warps": 4}
+    results = [_result("gather_records", f, 100, impl, cfg, us) for f in ("fp8", "nvfp4")
+               for impl, cfg, us in (("pallas_triton", a, 10.0), ("xla", None, 30.0))]
+    tune.write_table(results, "Some GPU", tmp_path)
+    monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path)
+    tuning.table.cache_clear()
+    try:
+        entry = tuning.lookup("gather_records", FakeDevice("Some GPU"), 1)
+    finally:
+        tuning.table.cache_clear()
+    assert entry == tuning.Entry(("pallas_triton", "xla"), {"pallas_triton": a})
 
 
 def _result(op, fmt, size, impl, config, us, exact=True, baseline=False):
@@ -160,20 +213,23 @@ def test_merge_results_averages_each_config_over_the_sweeps(tmp_path):
 
 
 @pytest.mark.parametrize("num_reqs, want", [(1, "pallas_mosaic_gpu"), (3, "pallas_triton")])
-def test_mosaic_pack_is_chosen_for_one_request_only(monkeypatch, num_reqs, want):
+def test_mosaic_pack_is_chosen_for_one_request_only(monkeypatch, tuned, num_reqs, want):
     """The measured order may put Mosaic GPU first; its grid grows with the requests, so the
     automatic choice passes it over for several (the kernel that runs is recorded)."""
     if paged_gather.api.compat.mosaic_gpu_interpret_params() is None:
         pytest.skip("this jax has no Mosaic GPU interpret mode")
-    cpu = jax.devices()[0]
-    row = (0, ("pallas_mosaic_gpu", "pallas_triton", "xla"), {})
-    monkeypatch.setitem(tuning.TABLE, ("gather_records", cpu.device_kind), (row,))
+    tuned("gather_records", [(0, ("pallas_mosaic_gpu", "pallas_triton", "xla"), {})])
     ran = []
-    for name, impl in list(paged_gather.RECORDS.items()):
-        def run(*a, _run=impl.run, _name=name, **k):
-            ran.append(_name)
-            return _run(*a, **k)
-        monkeypatch.setitem(paged_gather.RECORDS, name, _registry.Implementation(name, impl.supported_on, run))
+
+    def recorded(impl):
+        def run(*a, **k):
+            ran.append(impl.name)
+            return impl.run(*a, **k)
+        return dataclasses.replace(impl, run=run)
+
+    op = paged_gather.GATHER_RECORDS
+    monkeypatch.setattr(paged_gather.api, "GATHER_RECORDS",
+                        dataclasses.replace(op, implementations=tuple(map(recorded, op.implementations))))
     rng = np.random.default_rng(num_reqs)
     cache = jnp.asarray(rng.integers(0, 256, (6, 8, 656), dtype=np.uint8))
     table = jnp.asarray(rng.integers(0, 6, (num_reqs, 2)).astype(np.int32))

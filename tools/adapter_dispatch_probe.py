@@ -15,7 +15,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
-from ckv_jax import full_ckv, prefetch, validation  # noqa: E402
+from ckv_jax import dcp_step, placement  # noqa: E402
 from interop.bench import Workload  # noqa: E402
 
 
@@ -51,22 +51,24 @@ def main():
     lane = orch.lane("target")
     ring = orch.pool.ring(lane.lane)
     cache = adapter._caches[("target", 0)][2]
-    static = dict(mesh=orch.mesh, axis_name=full_ckv.DCP_AXIS, num_rows=orch._plan.padded_tokens,
-                  implementation=None, interpret=False)
+    arrays = orch._arrays
+    static = dict(mesh=orch.mesh, axis_name=placement.DCP_AXIS, implementation=None, interpret=False)
+
+    def gather(slot_array, fn=dcp_step.gather_program, **kwargs):
+        return fn(cache, arrays, slot_array, None, **kwargs)
+
     slot = Donated(ring[0])
     rows = []
-    rows.append(("gather_slot jit", median_us(
-        lambda: slot.call(prefetch._gather_slot, cache, orch._table, orch._local_cu, None, **static))))
-    compiled = prefetch._gather_slot.lower(slot.array, cache, orch._table, orch._local_cu, None, **static).compile()
-    rows.append(("gather_slot compiled", median_us(
-        lambda: slot.call(compiled, cache, orch._table, orch._local_cu, None))))
-    kv_c, k_pe = full_ckv.replicated(orch.mesh, jnp.zeros((4096, 512), jnp.bfloat16),
+    rows.append(("gather_program jit", median_us(lambda: slot.call(gather, **static))))
+    compiled = dcp_step.gather_program.lower(cache, arrays, slot.array, None, **static).compile()
+    rows.append(("gather_program compiled", median_us(lambda: slot.call(gather, fn=compiled))))
+    kv_c, k_pe = placement.replicated(orch.mesh, jnp.zeros((4096, 512), jnp.bfloat16),
                                      jnp.zeros((4096, 64), jnp.bfloat16))
-    rows.append(("patch jit", median_us(
-        lambda: slot.call(full_ckv.patch_placed, kv_c, k_pe, orch._rows, None, layout=orch.fmt.layout,
-                          run=orch._patch_run))))
+    rows.append(("patch_program jit", median_us(
+        lambda: slot.call(dcp_step.patch_program, kv_c, k_pe, arrays.chunk_rows, None, layout=orch.fmt.layout,
+                          device=placement.mesh_device(orch.mesh)))))
     identity = jax.jit(lambda x: x + 0, donate_argnums=0)
-    on_mesh = Donated(full_ckv.replicated(orch.mesh, jnp.zeros((64,), jnp.int32))[0])
+    on_mesh = Donated(placement.replicated(orch.mesh, jnp.zeros((64,), jnp.int32))[0])
     rows.append(("trivial donated jit (mesh sharding)", median_us(lambda: on_mesh.call(identity))))
     single = Donated(jnp.zeros((64,), jnp.int32))
     rows.append(("trivial donated jit (single device)", median_us(lambda: single.call(identity))))
@@ -76,8 +78,8 @@ def main():
     rows.append(("current_stream", median_us(lambda: torch.cuda.current_stream(events.device))))
     buf = torch.empty(4096, 512, dtype=torch.bfloat16, device="cuda")
     rows.append(("torch copy_ 4096x512", median_us(lambda: buf.copy_(work.kv))))
-    rows.append(("is_pending+check_cache", median_us(
-        lambda: (orch.is_pending(1), validation.check_cache(orch.fmt, cache)))))
+    rows.append(("is_pending+check_caches", median_us(
+        lambda: (orch.is_pending(1), dcp_step.check_caches(orch.fmt, cache, orch._plan)))))
     rows.append(("tensor_of+view", median_us(lambda: orch.pool.tensor_of(ring[1])[:])))
     rows.append(("check_writable", median_us(lambda: orch.pool.check_writable(lane.lane, 1))))
     for name, us in rows:

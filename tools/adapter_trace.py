@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--depths", default="0,2")
     ap.add_argument("--sleep-ms", type=float, default=2.5, help="torch compute per layer (default %(default)s)")
     ap.add_argument("--label", default="", help="title of the picture")
+    ap.add_argument("--stream", default="side", help="torch's stream: default, side or priority (default %(default)s)")
     ap.add_argument("--prefetch-programs", type=int, default=None,
                     help="persistent programs of a prefetch's pack (default: the adapter's)")
     args = ap.parse_args(argv)
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
     work = bench.Workload(args.history, args.chunk, args.layers)
     sleep = bench.compute_kernels(args.sleep_ms)["sleep"]
     panels, listing = {}, {}
-    side = torch.cuda.Stream()
+    side = bench.torch_stream(args.stream) if hasattr(bench, "torch_stream") else torch.cuda.Stream()
     for depth in [int(d) for d in args.depths.split(",")]:
         adapter = work.adapter(depth) if args.prefetch_programs is None else work.adapter(depth, args.prefetch_programs)
         with torch.cuda.stream(side):

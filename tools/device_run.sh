@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 session's worth of checks and figures, inside the device's 600 s per command.
+# The GPU checks and figures of the project in stages, each inside the device's 600 s per command.
 # Run from the repository root:  [STAGES="..."] bash tools/device_run.sh   (output under $OUT)
 # Stages (default all, in this order): env tests examples trace interop writer gather patch prefill
 # sanitizer plot.  KERNEL_ARGS / PREFILL_ARGS / PYTEST_ARGS override the sweeps and the test
@@ -23,13 +23,13 @@ if want examples; then
   step "torch engine example" 90 python examples/torch_engine.py 2>&1 | tee "$OUT/example_torch_engine.txt"
   step "flax example" 90 python examples/flax_mla.py --dcp 1 2>&1 | tee "$OUT/example_flax.txt"
 fi
-want tune && step "tuning sweep" ${TUNE_TIMEOUT:-420} python -m ckv_jax.benchmarks.tune ${TUNE_ARGS:-} \
+want tune && step "tuning sweep" ${TUNE_TIMEOUT:-420} python tools/tune.py ${TUNE_ARGS:-} \
   --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.txt"
-# ncu: one process running each NCU_RUNS entry once (ckv_jax.benchmarks.profile_target), every
+# ncu: one process running each NCU_RUNS entry once (tools/profile_target.py), every
 # kernel profiled at the GPU's own clocks with a flushed L2 (ncu's default cache control)
 want ncu && step "ncu" 240 ncu --target-processes all --clock-control none --kernel-name regex:'ckv_|indexSelect|gather_kernel' \
   ${NCU_SECTIONS:---section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy} \
-  python -m ckv_jax.benchmarks.profile_target ${NCU_FORMAT:+--format $NCU_FORMAT} ${NCU_RUNS:-gather_records:32768:8:4 gather_records_mosaic:32768 \
+  python tools/profile_target.py ${NCU_FORMAT:+--format $NCU_FORMAT} ${NCU_RUNS:-gather_records:32768:8:4 gather_records_mosaic:32768 \
   torch_pages:32768 gather_records:1048576:8:4 gather_records_mosaic:1048576 torch_pages:1048576 \
   gather_dequant:1048576:8:4 gather_slots:2048:16:8 torch_rows:2048 gather_slots:1048576:16:8 torch_rows:1048576} \
   2>&1 | tee "$OUT/ncu.txt"

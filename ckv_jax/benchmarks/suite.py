@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ckv_jax import formats
-from ckv_jax.benchmarks import gather, report, writer
+from ckv_jax import dcp_step, formats
+from ckv_jax.benchmarks import gather, prefill, report, writer
 from ckv_jax.benchmarks.timing import fastest, measure_copy, measure_in_place, result_fields, torch_copy_timing
 from pallas_kernels import cache_writer
 
@@ -126,85 +124,30 @@ def patch_results(tokens_list, names, chunk, repeats, log, interpret=False):
                                jax.random.permutation(k3, rows)[:chunk].astype(jnp.int32)))
             reference = None
             for impl in cache_writer.DEFAULT_ORDER:
-                entry = cache_writer.IMPLEMENTATIONS[impl]
                 interpreted = False
-                if not entry.supported_on(device, rows * fmt.record_bytes)[0]:
+                if not cache_writer.WRITE_RECORDS.implementation(impl).supported_on(
+                        device, rows * fmt.record_bytes, False)[0]:
                     if not interpret or impl == "xla":
                         log(f"  patch: skip {impl} (needs a GPU; --interpret runs it in interpret mode)")
                         continue
                     interpreted = True
 
-                def op(ws, kv_c, k_pe, dest, run=entry.run, interpreted=interpreted):
-                    return run(ws, kv_c, k_pe, dest, layout=fmt.layout, interpret=interpreted)
+                def op(ws, kv_c, k_pe, dest, impl=impl, interpreted=interpreted):
+                    return dcp_step.patch_chunk(ws, kv_c, k_pe, dest, layout=fmt.layout, implementation=impl,
+                                                interpret=interpreted)
 
-                ws = jnp.zeros((rows, 1, fmt.record_bytes), jnp.uint8)
+                ws = jnp.zeros((rows, fmt.record_bytes), jnp.uint8)
                 got = np.asarray(jax.jit(op)(ws, *inputs[0]))
                 if reference is None:
-                    reference = np.asarray(cache_writer.write_records_reference(jnp.zeros_like(ws), *inputs[0],
-                                                                                layout=fmt.layout))
+                    reference = np.asarray(cache_writer.write_records_reference(
+                        jnp.zeros((rows, 1, fmt.record_bytes), jnp.uint8), *inputs[0], layout=fmt.layout)
+                    ).reshape(rows, fmt.record_bytes)
                 timing, _ = measure_in_place(op, ws, inputs)
                 row = dict(op="patch", format=name, tokens=tokens, chunk=chunk, implementation=impl,
                            bytes_moved=moved, exact=bool(np.array_equal(got, reference)),
                            **result_fields(timing, moved, ceiling, interpreted))
                 results.append(row)
                 log(f"  patch {name} rows={rows} chunk={chunk} {impl}: {report.timing_text(row)}")
-    return results
-
-
-def prefill_results(depths, fmt_name, layers, context, chunk, log):
-    """Step time of `prefill_layers` per depth on the local devices (one request)."""
-    from ckv_jax import full_ckv
-    from ckv_jax.dcp_layout import DcpLayout
-    from ckv_jax.demo import make_model, mla_layer
-    from ckv_jax.pipelined_prefill import collective_schedule, prefill_layers
-    from ckv_jax.step_plan import build_step_plan
-
-    fmt = formats.get(fmt_name)
-    devices = jax.devices()
-    dcp = len(devices)
-    heads = 8 * dcp
-    mesh = jax.make_mesh((dcp,), (full_ckv.DCP_AXIS,), devices=devices)
-    layout = DcpLayout(dcp, 1, 64)
-    rng = np.random.default_rng(0)
-    model = make_model(layers, heads, 256, rng)
-    layer = mla_layer(model, fmt, dcp, full_ckv.DCP_AXIS)
-    plan = build_step_plan(layout, np.array([context]), np.array([chunk]), max_tokens=context)
-    blocks = -(-(-(-context // dcp)) // 64)
-    table = np.arange(blocks, dtype=np.int32)[None, :]
-    topk = np.minimum(rng.integers(0, 1 << 30, (plan.num_tokens, 2048)) % (plan.positions()[:, None] + 1),
-                      plan.positions()[:, None]).astype(np.int32)
-    idx, cnt = full_ckv.remap_topk(jnp.asarray(topk), plan)
-    idx, cnt = jnp.stack([idx] * layers), jnp.stack([cnt] * layers)
-    x = jnp.asarray(rng.standard_normal((plan.num_tokens, 256)), jnp.float32)
-    # real records (finite scales): random bytes would decode to NaNs, which the attention propagates
-    kv = rng.standard_normal((512, 512)).astype(jnp.bfloat16)
-    pe = rng.standard_normal((512, 64)).astype(jnp.bfloat16)
-    pages = np.asarray(fmt.encode(jnp.asarray(kv), jnp.asarray(pe))).reshape(8, 64, fmt.record_bytes)
-    host_caches = [np.tile(pages, (blocks // 8 + 1, 1, 1))[:blocks]] * dcp
-    results, outputs = [], {}
-    for depth in depths:
-        caches = [full_ckv.place_caches(host_caches, mesh) for _ in range(layers)]
-        schedule = collective_schedule(prefill_layers(x, caches, model.params, table, plan, idx, cnt, layer=layer,
-                                                      depth=depth, mesh=mesh, format=fmt, compiled_text=True))
-        del caches
-        times = []
-        for trial in range(4):
-            caches = [full_ckv.place_caches(host_caches, mesh) for _ in range(layers)]
-            jax.block_until_ready(caches)
-            start = time.perf_counter()
-            out, _ = prefill_layers(x, caches, model.params, table, plan, idx, cnt, layer=layer, depth=depth,
-                                    mesh=mesh, format=fmt)
-            out = jax.block_until_ready(out)
-            if trial:
-                times.append(time.perf_counter() - start)
-        outputs[depth] = np.asarray(out)
-        seconds = statistics.median(times)
-        results.append(dict(op="prefill_step", format=fmt_name, tokens=context, chunk=chunk, layers=layers,
-                            dcp=dcp, depth=depth, implementation="prefill_layers", us=seconds * 1e6,
-                            exact=bool(np.array_equal(outputs[depth], outputs[depths[0]])), **schedule))
-        log(f"  prefill depth {depth}: {seconds * 1e3:.2f} ms per step ({layers} layers, context {context}, "
-            f"chunk {chunk}, D={dcp}); all-gathers async {schedule['async_all_gathers']}, "
-            f"sync {schedule['sync_all_gathers']}")
     return results
 
 
@@ -259,7 +202,7 @@ def main(argv=None) -> int:
         elif op == "patch":
             results += patch_results([tokens], [name], args.chunk, args.repeats, log, args.interpret)
         else:
-            results += prefill_results(args.depths, name, args.layers, args.context,
+            results += prefill.run(args.depths, name, args.layers, args.context,
                                        min(args.prefill_chunk, args.context), log)
         progress.step(f"{op} {name} {tokens} tokens")
         with open(args.out, "w") as f:                   # after every unit, so a cut-off sweep keeps its figures

@@ -1,4 +1,4 @@
-"""Paged-cache writer: implementation registry with ordered fallback.
+"""Paged-cache writer: one `KernelOp` (WRITE_RECORDS) with ordered fallback.
 
 `implementation` is None (automatic), one name, or a sequence of names tried in order; the
 first that is supported on the cache's device and size runs.  Names:
@@ -7,28 +7,27 @@ first that is supported on the cache's device and size runs.  Names:
   interpret mode, which tests use).
 * ``"xla"``: the jnp reference (`reference.py`), any backend.
 
-With `implementation=None` the order and the config are the measured ones for the device and the
+With `implementation=None` the order and the tiles are the measured ones for the device and the
 bytes the write moves (`pallas_kernels.tuning`, op "write_records").
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import jax
 
-from pallas_kernels import _registry, tuning
+from pallas_kernels import selection
 from pallas_kernels.cache_writer import pallas_triton
+from pallas_kernels.cache_writer.pallas_triton import WriterTiles
 from pallas_kernels.cache_writer.reference import write_records_reference
-from pallas_kernels.record_codec import RecordLayout
+from pallas_kernels.record_layout import RecordLayout
 
 DEFAULT_ORDER = ("pallas_triton", "xla")
 
 
 def _run_triton(cache, kv_c, k_pe, slot_mapping, *, layout, interpret=False, config=None):
-    return pallas_triton.write_records_triton(
-        cache, kv_c, k_pe, slot_mapping, layout=layout,
-        config=config or pallas_triton.WriterConfig(), interpret=interpret)
+    return pallas_triton.write_records_triton(cache, kv_c, k_pe, slot_mapping, layout=layout,
+                                              config=config or WriterTiles(), interpret=interpret)
 
 
 def _run_xla(cache, kv_c, k_pe, slot_mapping, *, layout, interpret=False, config=None):
@@ -36,12 +35,11 @@ def _run_xla(cache, kv_c, k_pe, slot_mapping, *, layout, interpret=False, config
     return write_records_reference(cache, kv_c, k_pe, slot_mapping, layout=layout)
 
 
-IMPLEMENTATIONS = {
-    "pallas_triton": _registry.Implementation("pallas_triton", _registry.triton_supported, _run_triton),
-    "xla": _registry.Implementation("xla", _registry.always_supported, _run_xla),
-}
-
-choose = functools.partial(_registry.choose, IMPLEMENTATIONS, DEFAULT_ORDER)
+WRITE_RECORDS = selection.KernelOp(
+    "write_records",
+    (selection.Implementation("pallas_triton", selection.triton_supported, _run_triton),
+     selection.Implementation("xla", selection.always_supported, _run_xla)),
+    DEFAULT_ORDER, WriterTiles)
 
 
 def work_bytes(num_tokens: int, layout: RecordLayout) -> int:
@@ -50,26 +48,18 @@ def work_bytes(num_tokens: int, layout: RecordLayout) -> int:
 
 
 def select(implementation: str | Sequence[str] | None, device: jax.Device, cache_bytes: int, num_tokens: int,
-           layout: RecordLayout, interpret: bool = False):
-    """The backend's `run` with its tuned config bound (cached, so jit caches keyed on it hit)."""
-    if not isinstance(implementation, (str, type(None))):
-        implementation = tuple(implementation)
-    return _select(implementation, device, cache_bytes, num_tokens, layout, interpret)
-
-
-@functools.lru_cache(maxsize=256)
-def _select(implementation, device, cache_bytes, num_tokens, layout, interpret):
-    impl, config = tuning.pick("write_records", choose, implementation, device, cache_bytes,
-                               work_bytes(num_tokens, layout), config_type=pallas_triton.WriterConfig,
-                               interpret=interpret)
-    return functools.partial(impl.run, config=config) if config is not None else impl.run
+           layout: RecordLayout, *, interpret: bool = False, config: WriterTiles | None = None) -> selection.Selected:
+    """The writer for `num_tokens` tokens into a cache of `cache_bytes` on `device`."""
+    return WRITE_RECORDS.select(implementation, device, cache_bytes, work_bytes(num_tokens, layout),
+                                interpret=interpret, config=config)
 
 
 def write_records(cache: jax.Array, kv_c: jax.Array, k_pe: jax.Array, slot_mapping: jax.Array, *,
                   layout: RecordLayout, implementation: str | Sequence[str] | None = None,
-                  interpret: bool = False, config: pallas_triton.WriterConfig | None = None) -> jax.Array:
-    """Shape- and value-unchecked entry (ckv_jax.write_records validates); cache is donated."""
-    run = select(implementation, _registry.device_of(cache), cache.size, kv_c.shape[0], layout, interpret)
-    if config is not None:
-        run = functools.partial(run, config=config)
+                  interpret: bool = False, config: WriterTiles | None = None,
+                  device: jax.Device | None = None) -> jax.Array:
+    """Shape- and value-unchecked entry (ckv_jax.write_records validates); cache is donated.
+    device: where the write runs (default: the cache's; pass it inside jit)."""
+    run = select(implementation, device or selection.device_of(cache), cache.size, kv_c.shape[0], layout,
+                 interpret=interpret, config=config)
     return run(cache, kv_c, k_pe, slot_mapping, layout=layout, interpret=interpret)

@@ -4,12 +4,12 @@ One program encodes `tokens_per_block` tokens and stores each record segment (a 
 byte range) with one masked scatter into the aliased cache.  Invalid slots (negative, past the
 cache, or rows past T) are masked, so they are never read or written.
 
-The encode was bound by the integer-ALU pipe (`ncu`: BENCHMARKS.md, writer notes), so the nvfp4
+The encode was bound by the integer-ALU pipe (measured with `ncu`), so the nvfp4
 path reads the NoPE as element pairs (one uint32 word per two 2-byte values) and builds each
 byte's two nibbles side by side, instead of interleaving codes through a reshape; and the
-compiled kernel takes its arithmetic from `_TRITON_ARITHMETIC`: e2m1 codes mostly on the FMA pipe,
-one reciprocal per fp8 tile instead of a division per element, and the GPU's NaN rules instead
-of a NaN test per element.
+compiled kernel takes its arithmetic from `gpu_arithmetic.GPU_ARITHMETIC`: e2m1 codes mostly on
+the FMA pipe, one reciprocal per fp8 tile instead of a division per element, and the GPU's NaN
+rules instead of a NaN test per element.
 """
 from __future__ import annotations
 
@@ -21,28 +21,21 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _pallas_compat as compat
-from pallas_kernels import record_codec, tuning
-from pallas_kernels.record_codec import RecordLayout
-
-_TRITON_ARITHMETIC = record_codec.Arithmetic(divide=compat.triton_ieee_divide,
-                                             divide_by_scale=compat.triton_divide_by_scale,
-                                             to_e4m3=compat.triton_e4m3_bytes,
-                                             # products: a NaN is the GPU's positive canonical NaN
-                                             to_e2m1=compat.triton_e2m1_codes,
-                                             abs_max=compat.triton_abs_max)
+from pallas_kernels import compat, float_codes, record_codec, selection
+from pallas_kernels.cache_writer.gpu_arithmetic import GPU_ARITHMETIC
+from pallas_kernels.record_layout import RecordLayout
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class WriterConfig:
-    # default, where no tuned row applies: summed over both quantized formats at 8K, 256K and 1M
-    # tokens, within 1% of the fastest config (4/2) in the H200 writer sweep of BENCHMARKS.md
-    # (fifth session)
+class WriterTiles:
+    """Tokens encoded per program and its warps.  The default serves where no tuned row applies:
+    summed over both quantized formats at 8K, 256K and 1M tokens on an H200 it is within 1% of the
+    fastest config."""
     tokens_per_block: int = 8
     num_warps: int = 4
 
     def __post_init__(self):
-        tuning.check_power_of_two_fields(self, ("tokens_per_block", "num_warps"))
+        selection.check_power_of_two_fields(self, ("tokens_per_block", "num_warps"))
 
 
 def _load_rows(ref, tok, in_range, *, first=0, stride=1):
@@ -84,7 +77,7 @@ def _writer_kernel(slot_ref, kv_c_ref, k_pe_ref, cache_in_ref, cache_ref, *,
     valid = in_range & (slot >= 0) & (slot < num_slots)
 
     load_rows = functools.partial(_load_rows, tok=tok, in_range=in_range)
-    arith = record_codec.PORTABLE if interpret else _TRITON_ARITHMETIC
+    arith = float_codes.PORTABLE if interpret else GPU_ARITHMETIC
     if layout.kind == "nvfp4_groups":
         # the two nibbles of a byte come from one element pair: no interleaving of the codes
         rope = record_codec.rope_bytes(load_rows(k_pe_ref))
@@ -101,7 +94,7 @@ def _writer_kernel(slot_ref, kv_c_ref, k_pe_ref, cache_in_ref, cache_ref, *,
 
 @functools.partial(jax.jit, static_argnames=("layout", "config", "interpret"), donate_argnums=(0,))
 def write_records_triton(cache: jax.Array, kv_c: jax.Array, k_pe: jax.Array, slot_mapping: jax.Array,
-                         *, layout: RecordLayout, config: WriterConfig = WriterConfig(),
+                         *, layout: RecordLayout, config: WriterTiles = WriterTiles(),
                          interpret: bool = False) -> jax.Array:
     """Same contract as `write_records_reference` (cache u8[num_blocks, block_size, R], donated)."""
     num_blocks, block_size, record_bytes = cache.shape

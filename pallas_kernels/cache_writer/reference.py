@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import record_codec
-from pallas_kernels.record_codec import RecordLayout
+from pallas_kernels.record_layout import RecordLayout
 
 
 @functools.partial(jax.jit, static_argnames=("layout",), donate_argnums=(0,))

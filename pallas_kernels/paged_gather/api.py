@@ -1,32 +1,30 @@
-"""Paged gathers (raw records, dequantized bf16) and the gather by slot: implementation registries.
+"""Paged gathers (raw records, dequantized bf16) and the gather by slot: one `KernelOp` each.
 
 Names: ``"pallas_triton"`` (GPU; interpret mode on CPU for tests), ``"pallas_mosaic_gpu"`` (raw
 records only; SM90+, GPU interpret mode on CPU) and ``"xla"`` (the jnp references, any backend).
-None picks the first supported implementation of the measured order for the device and size
-(`pallas_kernels.tuning`), or of DEFAULT_ORDER where nothing was measured; the config, unless
-given, is the tuned one for that size, else the kernel's default.
+`implementation=None` takes the measured order for the device and size (`pallas_kernels.tuning`),
+else DEFAULT_ORDER; the tiles, unless given, are the measured ones for that size, else the
+kernel's default (`selection.KernelOp.select`).
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import jax
 
-from pallas_kernels import _pallas_compat as compat
-from pallas_kernels import _registry, tuning
+from pallas_kernels import compat, selection
 from pallas_kernels.paged_gather import pallas_mosaic_gpu, pallas_triton
-from pallas_kernels.paged_gather.pallas_triton import GatherConfig
+from pallas_kernels.paged_gather.pallas_triton import GatherTiles
 from pallas_kernels.paged_gather.reference import (gather_dequant_reference, gather_records_reference,
                                                    gather_slots_reference)
-from pallas_kernels.record_codec import RecordLayout
+from pallas_kernels.record_layout import RecordLayout
 
 DEFAULT_ORDER = ("pallas_triton", "xla")
 
 
 def _records_triton(cache, block_table, cu_lens, out=None, *, num_rows, interpret=False, config=None):
     return pallas_triton.gather_records_triton(cache, block_table, cu_lens, out, num_rows=num_rows,
-                                               config=config or pallas_triton.RECORDS_CONFIG, interpret=interpret)
+                                               config=config or pallas_triton.RECORDS_TILES, interpret=interpret)
 
 
 def _records_mosaic(cache, block_table, cu_lens, out=None, *, num_rows, interpret=False, config=None):
@@ -47,8 +45,7 @@ def _records_xla(cache, block_table, cu_lens, out=None, *, num_rows, interpret=F
 
 def _dequant_triton(cache, block_table, cu_lens, *, num_rows, layout, interpret=False, config=None):
     return pallas_triton.gather_dequant_triton(cache, block_table, cu_lens, num_rows=num_rows, layout=layout,
-                                               config=config or pallas_triton.DEQUANT_CONFIG,
-                                               interpret=interpret)
+                                               config=config or pallas_triton.DEQUANT_TILES, interpret=interpret)
 
 
 def _dequant_xla(cache, block_table, cu_lens, *, num_rows, layout, interpret=False, config=None):
@@ -56,7 +53,7 @@ def _dequant_xla(cache, block_table, cu_lens, *, num_rows, layout, interpret=Fal
 
 
 def _slots_triton(cache, slots, *, interpret=False, config=None):
-    return pallas_triton.gather_slots_triton(cache, slots, config=config or pallas_triton.SLOTS_CONFIG,
+    return pallas_triton.gather_slots_triton(cache, slots, config=config or pallas_triton.SLOTS_TILES,
                                              interpret=interpret)
 
 
@@ -64,60 +61,68 @@ def _slots_xla(cache, slots, *, interpret=False, config=None):
     return gather_slots_reference(cache, slots)
 
 
-def _registry_of(triton_run, xla_run):
-    return {"pallas_triton": _registry.Implementation("pallas_triton", _registry.triton_supported, triton_run),
-            "xla": _registry.Implementation("xla", _registry.always_supported, xla_run)}
+def _op(name, triton_run, xla_run, *extra):
+    impls = (selection.Implementation("pallas_triton", selection.triton_supported, triton_run),
+             selection.Implementation("xla", selection.always_supported, xla_run), *extra)
+    return selection.KernelOp(name, impls, DEFAULT_ORDER, GatherTiles)
 
 
-RECORDS = dict(_registry_of(_records_triton, _records_xla), pallas_mosaic_gpu=_registry.Implementation(
-    "pallas_mosaic_gpu", _registry.mosaic_gpu_supported, _records_mosaic))
-DEQUANT = _registry_of(_dequant_triton, _dequant_xla)
-SLOTS = _registry_of(_slots_triton, _slots_xla)
-choose_records = functools.partial(_registry.choose, RECORDS, DEFAULT_ORDER)
-choose_dequant = functools.partial(_registry.choose, DEQUANT, DEFAULT_ORDER)
-choose_slots = functools.partial(_registry.choose, SLOTS, DEFAULT_ORDER)
+GATHER_RECORDS = _op("gather_records", _records_triton, _records_xla, selection.Implementation(
+    "pallas_mosaic_gpu", selection.mosaic_gpu_supported, _records_mosaic))
+GATHER_DEQUANT = _op("gather_dequant", _dequant_triton, _dequant_xla)
+GATHER_SLOTS = _op("gather_slots", _slots_triton, _slots_xla)
 
 
-def _pick(op, choose, implementation, cache, work_bytes, interpret, config, skip=()):
-    return tuning.pick(op, choose, implementation, _registry.device_of(cache), cache.size, work_bytes,
-                       config_type=GatherConfig, interpret=interpret, config=config, skip=skip)
+def select_records(implementation, device: jax.Device, cache_bytes: int, num_rows: int, record_bytes: int, *,
+                   num_reqs: int = 1, into: bool = False, interpret: bool = False,
+                   config: GatherTiles | None = None) -> selection.Selected:
+    """The raw paged gather's choice for a pack of `num_rows` records (`gather_records`' rule).
+
+    The Mosaic GPU grid has a CTA per page slot per request (mostly empty ones for several
+    requests) and was measured with one request, and it writes a fresh output only: the
+    automatic choice skips it for several requests or a gather `into` a given buffer."""
+    skip = ("pallas_mosaic_gpu",) if num_reqs > 1 or into else ()
+    return GATHER_RECORDS.select(implementation, device, cache_bytes, 2 * num_rows * record_bytes,
+                                 interpret=interpret, config=config, skip=skip)
 
 
 def gather_records(cache: jax.Array, block_table: jax.Array, cu_lens: jax.Array, *, num_rows: int,
                    out: jax.Array | None = None, implementation: str | Sequence[str] | None = None,
-                   interpret: bool = False, config: GatherConfig | None = None) -> jax.Array:
+                   interpret: bool = False, config: GatherTiles | None = None,
+                   device: jax.Device | None = None) -> jax.Array:
     """u8[num_blocks, block_size, R] -> u8[num_rows, R] (see reference.py for the contract).
 
     out: None, or u8[M, R] with M >= num_rows that receives the rows in place (its rows
     [0, num_rows) are replaced, the rest kept; donate it to the enclosing jit, or XLA copies
     it first), so a caller that owns the destination (a ring slot) gets no second copy.
+    device: where the gather runs (default: the cache's device; pass it inside jit, where the
+    cache is a tracer).
     """
     if out is not None:
         if out.dtype != cache.dtype or out.ndim != 2 or out.shape[1] != cache.shape[-1] or out.shape[0] < num_rows:
             raise ValueError(f"out: expected uint8[>= {num_rows}, {cache.shape[-1]}] (num_rows rows of the cache's "
                              f"records), got {out.dtype}{list(out.shape)}")
-    # the Mosaic GPU grid has a CTA per page slot per request (mostly empty ones for several
-    # requests) and was measured with one: the automatic choice uses it for one request only;
-    # it writes a fresh output only
-    skip = ("pallas_mosaic_gpu",) if block_table.shape[0] > 1 or out is not None else ()
-    impl, config = _pick("gather_records", choose_records, implementation, cache,
-                         2 * num_rows * cache.shape[-1], interpret, config, skip)
-    return impl.run(cache, block_table, cu_lens, out, num_rows=num_rows, interpret=interpret, config=config)
+    run = select_records(implementation, device or selection.device_of(cache), cache.size, num_rows,
+                         cache.shape[-1], num_reqs=block_table.shape[0], into=out is not None, interpret=interpret,
+                         config=config)
+    return run(cache, block_table, cu_lens, out, num_rows=num_rows, interpret=interpret)
 
 
 def gather_dequant(cache: jax.Array, block_table: jax.Array, cu_lens: jax.Array, *, num_rows: int,
                    layout: RecordLayout, implementation: str | Sequence[str] | None = None,
-                   interpret: bool = False, config: GatherConfig | None = None) -> jax.Array:
+                   interpret: bool = False, config: GatherTiles | None = None,
+                   device: jax.Device | None = None) -> jax.Array:
     """u8[num_blocks, block_size, R] -> bf16[num_rows, nope_dim + rope_dim]."""
-    impl, config = _pick("gather_dequant", choose_dequant, implementation, cache,
-                         num_rows * (cache.shape[-1] + 2 * layout.value_dim), interpret, config)
-    return impl.run(cache, block_table, cu_lens, num_rows=num_rows, layout=layout, interpret=interpret,
-                    config=config)
+    run = GATHER_DEQUANT.select(implementation, device or selection.device_of(cache), cache.size,
+                                num_rows * (cache.shape[-1] + 2 * layout.value_dim), interpret=interpret,
+                                config=config)
+    return run(cache, block_table, cu_lens, num_rows=num_rows, layout=layout, interpret=interpret)
 
 
 def gather_slots(cache: jax.Array, slots: jax.Array, *, implementation: str | Sequence[str] | None = None,
-                 interpret: bool = False, config: GatherConfig | None = None) -> jax.Array:
+                 interpret: bool = False, config: GatherTiles | None = None,
+                 device: jax.Device | None = None) -> jax.Array:
     """u8[num_blocks, block_size, R], i32[N] -> u8[N, R] (see `gather_slots_reference`)."""
-    impl, config = _pick("gather_slots", choose_slots, implementation, cache, 2 * slots.shape[0] * cache.shape[-1],
-                         interpret, config)
-    return impl.run(cache, slots, interpret=interpret, config=config)
+    run = GATHER_SLOTS.select(implementation, device or selection.device_of(cache), cache.size,
+                              2 * slots.shape[0] * cache.shape[-1], interpret=interpret, config=config)
+    return run(cache, slots, interpret=interpret)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _pallas_compat as compat
+from pallas_kernels import compat
 
 
 def _store_rows(smem, first, count, out_ref, dst_row, *, block_size, record_bytes):

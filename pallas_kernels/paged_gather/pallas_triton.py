@@ -27,13 +27,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _pallas_compat as compat
-from pallas_kernels import record_codec, tuning
-from pallas_kernels.record_codec import RecordLayout
+from pallas_kernels import compat, float_codes, record_codec, selection
+from pallas_kernels.record_layout import RecordLayout
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class GatherConfig:
+class GatherTiles:
     rows_per_tile: int = 8        # records per program (power of two)
     num_warps: int = 4
     max_piece_bytes: int = 512    # raw gathers: widest single load/store of a record (power of two)
@@ -42,16 +41,16 @@ class GatherConfig:
                                   # programs striding over the tiles (a bounded SM footprint)
 
     def __post_init__(self):
-        tuning.check_power_of_two_fields(self, ("rows_per_tile", "num_warps", "max_piece_bytes"))
+        selection.check_power_of_two_fields(self, ("rows_per_tile", "num_warps", "max_piece_bytes"))
         if isinstance(self.programs, bool) or not isinstance(self.programs, int) or self.programs < 0:
             raise ValueError(f"programs: expected an int >= 0, got {self.programs!r}")
 
 
 # The defaults where no tuned row applies (`pallas_kernels.tuning`): configs that won, or came
 # within 1% of the winner, at the large sizes of the H200 sweeps (BENCHMARKS.md, "Tuning table").
-RECORDS_CONFIG = GatherConfig(rows_per_tile=8, num_warps=4)
-DEQUANT_CONFIG = GatherConfig(rows_per_tile=8, num_warps=4)
-SLOTS_CONFIG = GatherConfig(rows_per_tile=16, num_warps=8)
+RECORDS_TILES = GatherTiles(rows_per_tile=8, num_warps=4)
+DEQUANT_TILES = GatherTiles(rows_per_tile=8, num_warps=4)
+SLOTS_TILES = GatherTiles(rows_per_tile=16, num_warps=8)
 
 
 def record_pieces(record_bytes: int, max_piece_bytes: int) -> tuple[tuple[int, int], ...]:
@@ -71,7 +70,7 @@ def _scalar(ref, idx):
     return jnp.sum(compat.pltriton.load(ref.at[(*idx[:-1], pl.ds(idx[-1], 1))]))
 
 
-def _eviction(config: GatherConfig) -> str | None:
+def _eviction(config: GatherTiles) -> str | None:
     return "evict_first" if config.evict_first else None
 
 
@@ -170,8 +169,8 @@ def _dequant_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, tile, layout, evictio
         # a byte's two nibbles become one u32 word of two bf16: no interleaving, no float conversion
         seg = dict(zip((s.name for s in layout.segments), segments))
         even, odd = record_codec.decode_nvfp4_pairs(layout, seg["nope_e2m1"], seg["group_scales_e4m3"])
-        outputs = ((record_codec.exact_bf16_pair_words(even, odd), 0),
-                   (record_codec.le_words(seg["rope_bf16"], jnp.uint32), layout.nope_dim // 2))
+        outputs = ((float_codes.exact_bf16_pair_words(even, odd), 0),
+                   (float_codes.le_words(seg["rope_bf16"], jnp.uint32), layout.nope_dim // 2))
     else:
         nope, rope = record_codec.decode_segments(layout, segments)
         outputs = ((nope.astype(jnp.bfloat16), 0), (rope, layout.nope_dim))
@@ -229,7 +228,7 @@ def _paged_call(kernel, out_shape, cache, block_table, cu_lens, num_rows, config
 
 @functools.partial(jax.jit, static_argnames=("num_rows", "config", "interpret"))
 def gather_records_triton(cache, block_table, cu_lens, out=None, *, num_rows: int,
-                          config: GatherConfig = RECORDS_CONFIG, interpret: bool = False):
+                          config: GatherTiles = RECORDS_TILES, interpret: bool = False):
     """Same contract as `gather_records_reference`: -> u8[num_rows, R], or `out` u8[M, R] with
     its rows [0, num_rows) written in place (aliased: donate it to the caller's jit)."""
     record_bytes = cache.shape[2]
@@ -240,7 +239,7 @@ def gather_records_triton(cache, block_table, cu_lens, out=None, *, num_rows: in
 
 @functools.partial(jax.jit, static_argnames=("num_rows", "layout", "config", "interpret"))
 def gather_dequant_triton(cache, block_table, cu_lens, *, num_rows: int, layout: RecordLayout,
-                          config: GatherConfig = DEQUANT_CONFIG, interpret: bool = False):
+                          config: GatherTiles = DEQUANT_TILES, interpret: bool = False):
     """Same contract as `gather_dequant_reference`: -> bf16[num_rows, nope_dim + rope_dim]."""
     pairs = layout.kind == "nvfp4_groups"       # the kernel writes bf16 pairs as uint32 words
     out_shape = (jax.ShapeDtypeStruct((num_rows, layout.value_dim // 2), jnp.uint32) if pairs
@@ -253,7 +252,7 @@ def gather_dequant_triton(cache, block_table, cu_lens, *, num_rows: int, layout:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def gather_slots_triton(cache, slots, *, config: GatherConfig = SLOTS_CONFIG,
+def gather_slots_triton(cache, slots, *, config: GatherTiles = SLOTS_TILES,
                         interpret: bool = False):
     """Same contract as `gather_slots_reference`: -> u8[N, R]."""
     num_blocks, block_size, record_bytes = cache.shape

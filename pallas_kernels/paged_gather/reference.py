@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import record_codec
-from pallas_kernels.record_codec import RecordLayout
+from pallas_kernels.record_layout import RecordLayout
 
 
 def source_slots(cache_shape, block_table, cu_lens, num_rows: int):

@@ -1,47 +1,16 @@
-"""What differs between the supported jax versions (0.10.2 on CPU, 0.11.x on GPU), in one place."""
-from __future__ import annotations
+"""The compiled writer's GPU arithmetic: the `float_codes.Arithmetic` of the Pallas Triton writer.
 
-import functools
-import warnings
+Each operation gives the bytes of its portable counterpart in `float_codes` (the writer tests
+compare them) with fewer instructions: PTX division and e2m1 rounding through inline asm, the
+hardware e4m3 convert, and Triton's NaN-ignoring max.
+"""
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-try:
-    from jax.experimental.pallas import triton as pltriton
-    TRITON_IMPORT_ERROR: str | None = None
-except Exception as e:  # pragma: no cover - depends on the jaxlib build
-    pltriton, TRITON_IMPORT_ERROR = None, f"{type(e).__name__}: {e}"
-
-try:
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    MOSAIC_GPU_IMPORT_ERROR: str | None = None
-except Exception as e:  # pragma: no cover - depends on the jaxlib build
-    plgpu, MOSAIC_GPU_IMPORT_ERROR = None, f"{type(e).__name__}: {e}"
-
-
-def triton_compiler_params(num_warps: int, num_stages: int = 1):
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def silence_triton_deprecation():
-    """jax >= 0.11 warns on every Pallas Triton lowering; the backend is still supported there."""
-    warnings.filterwarnings("ignore", message=".*[Tt]riton.*deprecated.*", category=DeprecationWarning)
-
-
-def mosaic_gpu_interpret_params():
-    """Mosaic GPU's interpret-mode parameters (a private module in jax 0.10-0.11), or None."""
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    except ImportError:
-        return None
-    return InterpretGPUParams()
-
-
-def on_gpu(device: jax.Device | None = None) -> bool:
-    device = device or jax.devices()[0]
-    return device.platform == "gpu"
+from pallas_kernels import compat, float_codes
 
 
 def _b32_inline_asm(asm: str, *args):
@@ -49,7 +18,7 @@ def _b32_inline_asm(asm: str, *args):
     b32 registers ($1, $2, ...), so the asm needs no float constraint letters; its result $0 comes
     back as int32 bits (int32, not uint32: Triton asm takes signless integers)."""
     args = jnp.broadcast_arrays(*(jnp.asarray(a, jnp.float32) for a in args))
-    (out,) = pltriton.elementwise_inline_asm(
+    (out,) = compat.pltriton.elementwise_inline_asm(
         asm, args=[lax.bitcast_convert_type(a, jnp.int32) for a in args],
         constraints=",".join(["=r"] + ["r"] * len(args)), pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.int32)])
@@ -74,7 +43,7 @@ def triton_ieee_divide(x, y):
 # keeps its low bits above the subnormal range; tiles with s < 2**-92 are therefore scaled by
 # k = 2**64 (x*k and s*k, both exact) first.  Where a tiny x still loses bits, the quotient is
 # far below 2**-10 and encodes as e4m3 zero either way.  Checked against the long division of
-# `record_codec.xla_ieee_divide`, in an exact emulation, on 4 million random (x, scale) pairs and
+# `float_codes.xla_ieee_divide`, in an exact emulation, on 4 million random (x, scale) pairs and
 # 72 million quotients within 3 ulps of every e4m3 value and midpoint; a GPU test runs such
 # quotients through this function, and the writer tests compare its bytes with the reference.
 _DIV_BY_RECIPROCAL_ASM = ("{ .reg .f32 x, k, s, r, q, e; mov.b32 x, $1; mov.b32 k, $2; mov.b32 s, $3; "
@@ -85,7 +54,7 @@ _PRESCALE_BELOW = 2.0 ** -92
 
 def triton_divide_by_scale(x, scale):
     """x / scale[..., None], correctly rounded, for a tile scale (>= FLT_MIN or +Inf, x finite
-    where it is finite): see `record_codec.Arithmetic.divide_by_scale`."""
+    where it is finite): see `float_codes.Arithmetic`."""
     k = jnp.where(scale < _PRESCALE_BELOW, 2.0 ** 64, 1.0).astype(jnp.float32)
     scaled = scale * k                                     # exact: a power of two
     reciprocal = triton_ieee_divide(1.0, scaled)           # 0 for an Inf scale
@@ -96,12 +65,12 @@ def triton_divide_by_scale(x, scale):
 
 
 # float32 -> e2m1 codes with most of the work on the FMA pipe (the integer-ALU pipe limited the
-# nvfp4 writer: BENCHMARKS.md, writer v5).  From 1 up, Veltkamp's split h = c - (c - a) with
+# nvfp4 writer, measured with ncu).  From 1 up, Veltkamp's split h = c - (c - a) with
 # c = a * (2**22 + 1) rounds |y| to 2 significant bits, ties to even, and (h >> 22) - 252 is
 # the code (saturated at 7; an overflow of c, an Inf or a NaN gives a NaN h, which saturates
 # too); below 1, a + 2**22 rounds to the 0.5 grid and its low bits count the half steps.  The
 # `.rn` operations are never fused into an fma, which would break the split.  Checked against
-# `record_codec.e2m1_sign_magnitude_codes` for every float32 bit pattern (a GPU test does it).
+# `float_codes.e2m1_sign_magnitude_codes` for every float32 bit pattern (a GPU test does it).
 _E2M1_CODE_ASM = ("{ .reg .f32 y, a, c, d, h, l; .reg .b32 yb, hb, lb, s; .reg .pred small; "
                   "mov.b32 yb, $1; mov.b32 y, yb; abs.f32 a, y; "
                   "mul.rn.f32 c, a, 0f4A800002; sub.rn.f32 d, c, a; sub.rn.f32 h, c, d; "
@@ -112,14 +81,14 @@ _E2M1_CODE_ASM = ("{ .reg .f32 y, a, c, d, h, l; .reg .b32 yb, hb, lb, s; .reg .
 
 
 def triton_e2m1_codes(y):
-    """float32 -> e2m1 codes (int32 0..15), as `record_codec.e2m1_sign_magnitude_codes`: RNE,
+    """float32 -> e2m1 codes (int32 0..15), as `float_codes.e2m1_sign_magnitude_codes`: RNE,
     saturated to +-6, a NaN saturates and keeps its sign bit."""
     return _b32_inline_asm(_E2M1_CODE_ASM, y)
 
 
 def triton_e4m3_bytes(x):
     """float32 -> e4m3fn bytes with the hardware convert (`cvt.rn.satfinite`): the same bytes as
-    `record_codec.e4m3_bytes`, at a fraction of its integer work."""
+    `float_codes.e4m3_bytes`, at a fraction of its integer work."""
     clipped = jnp.minimum(jnp.maximum(x, -448.0), 448.0)
     byts = lax.bitcast_convert_type(clipped.astype(jnp.float8_e4m3fn), jnp.uint8)
     return jnp.where(jnp.isnan(x), jnp.uint8(0x7F), byts)
@@ -131,34 +100,6 @@ def triton_abs_max(x):
     return jnp.maximum(jnp.max(jnp.abs(x), axis=-1), 0.0)
 
 
-@functools.cache
-def cuda_lowering_available(backend: str) -> tuple[bool, str]:
-    """Whether a tiny kernel of `backend` ('triton' or 'mosaic_gpu') lowers for CUDA here."""
-    from jax.experimental import pallas as pl
-    try:
-        if backend == "triton":
-            if pltriton is None:
-                return False, TRITON_IMPORT_ERROR or "not importable"
-
-            def body(x_ref, o_ref):
-                o_ref[...] = x_ref[...] + 1
-
-            f = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((16,), jnp.int32),
-                               compiler_params=triton_compiler_params(1))
-        elif backend == "mosaic_gpu":
-            if plgpu is None:
-                return False, MOSAIC_GPU_IMPORT_ERROR or "not importable"
-
-            def body(x_ref, o_ref):
-                o_ref[...] = x_ref[...] + 1
-
-            f = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((128,), jnp.int32))
-        else:
-            raise ValueError(f"backend: expected 'triton' or 'mosaic_gpu', got {backend!r}")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            x = jax.ShapeDtypeStruct((16 if backend == "triton" else 128,), jnp.int32)
-            jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
-        return True, "lowers for cuda"
-    except Exception as e:
-        return False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+GPU_ARITHMETIC = float_codes.Arithmetic(divide=triton_ieee_divide, divide_by_scale=triton_divide_by_scale,
+                                        to_e4m3=triton_e4m3_bytes, to_e2m1=triton_e2m1_codes,
+                                        abs_max=triton_abs_max)

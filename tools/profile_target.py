@@ -1,7 +1,7 @@
 """Single calls of kernel ops (and of the torch ops doing the same movement), for `ncu` to capture.
 
   ncu --kernel-name regex:'ckv_|indexSelect|gather_kernel' --section SpeedOfLight --section LaunchStats \\
-      python -m ckv_jax.benchmarks.profile_target gather_records:32768:8:4 torch_pages:32768 \\
+      python tools/profile_target.py gather_records:32768:8:4 torch_pages:32768 \\
       gather_slots:2048:16:8 torch_rows:2048
 
 Each run is `op:tokens[:rows_per_tile:num_warps]`: ops gather_records, gather_dequant,
@@ -22,26 +22,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from ckv_jax import formats
-from pallas_kernels import _pallas_compat as compat
-from pallas_kernels import cache_writer, paged_gather
-from pallas_kernels.cache_writer import WriterConfig
-from pallas_kernels.paged_gather import GatherConfig
+from pallas_kernels import cache_writer, compat, paged_gather
+from pallas_kernels.cache_writer import WriterTiles
+from pallas_kernels.paged_gather import GatherTiles
 
 BLOCK = 64
 OPS = ("gather_records", "gather_records_mosaic", "gather_dequant", "gather_slots", "torch_pages", "torch_rows",
        "write_records")
 
 
-def parse_run(text: str) -> tuple[str, int, GatherConfig | WriterConfig | None]:
+def parse_run(text: str) -> tuple[str, int, GatherTiles | WriterTiles | None]:
     parts = text.split(":")
     if parts[0] not in OPS or len(parts) not in (2, 4):
         raise argparse.ArgumentTypeError(f"expected op:tokens[:rows:warps] with op in {OPS}, got {text!r}")
-    config_type = WriterConfig if parts[0] == "write_records" else GatherConfig
+    config_type = WriterTiles if parts[0] == "write_records" else GatherTiles
     config = config_type(int(parts[2]), int(parts[3])) if len(parts) == 4 else None
     return parts[0], int(parts[1]), config
 
 
-def write_once(tokens: int, config: WriterConfig | None, fmt: formats.RecordFormat, rng) -> None:
+def write_once(tokens: int, config: WriterTiles | None, fmt: formats.RecordFormat, rng) -> None:
     num_blocks = -(-4 * tokens // BLOCK)
     cache = jnp.zeros((num_blocks, BLOCK, fmt.record_bytes), jnp.uint8)
     kv_c = jnp.asarray((rng.standard_normal((tokens, fmt.nope_dim), np.float32) * 3)).astype(jnp.bfloat16)
@@ -49,7 +48,7 @@ def write_once(tokens: int, config: WriterConfig | None, fmt: formats.RecordForm
     slots = jnp.asarray(rng.permutation(num_blocks * BLOCK)[:tokens].astype(np.int32))
     jax.block_until_ready((cache, kv_c, k_pe, slots))
     out = cache_writer.write_records_triton(cache, kv_c, k_pe, slots, layout=fmt.layout,
-                                            config=config or WriterConfig())
+                                            config=config or WriterTiles())
     jax.block_until_ready(out)
 
 
@@ -86,7 +85,7 @@ def run_once(op: str, tokens: int, config, fmt: formats.RecordFormat, rng) -> No
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ckv_jax.benchmarks.profile_target", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python tools/profile_target.py", description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=parse_run, help="op:tokens[:rows_per_tile:num_warps]")
     ap.add_argument("--format", default="fp8_ds_mla")
     args = ap.parse_args(argv)

@@ -1,8 +1,8 @@
 """Tuning sweep: every implementation and candidate config of the kernel ops, side by side.
 
-  python -m ckv_jax.benchmarks.tune [--ops gather_records,gather_dequant,gather_slots,write_records]
-                                    [--formats fp8_ds_mla,nvfp4_ds_mla] [--tokens N,...] [--requests N]
-                                    [--out tune.json]
+  python tools/tune.py [--ops gather_records,gather_dequant,gather_slots,write_records]
+                         [--formats fp8_ds_mla,nvfp4_ds_mla] [--tokens N,...] [--requests N]
+                         [--out tune.json] [--table-out pallas_kernels/tuned]
 
 Per op, format and size, in one process: the copy ceiling of the same bytes (the faster of an XLA
 and a torch contiguous copy), the XLA implementation, the torch op doing the same movement where
@@ -14,15 +14,16 @@ span at least 512 MB so the 60 MB L2 cannot hold them.  Every time is taken twic
 timeline (the profiler's kernel span / R; torch: a replayed CUDA graph), each with its own copy
 ceiling.  The launch floor (one tiny kernel in a program of many) is measured too, for the small
 sizes' "bytes / bandwidth + one launch" floor.  Prints the winners, ranked by device time where
-every candidate has one, in the form of `pallas_kernels.tuning.TABLE`; `--table-from a.json
-b.json ...` prints them from earlier sweeps instead, each config's time averaged over the sweeps
-that ran it.
+every candidate has one, as the table `pallas_kernels.tuning` reads (`--table-out DIR` writes it
+as DIR/<device kind>.json); `--table-from a.json b.json ...` makes the table from earlier sweeps
+instead, each config's time averaged over the sweeps that ran it.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import pathlib
 import sys
 
 import jax
@@ -33,20 +34,19 @@ from jax.experimental import pallas as pl
 from ckv_jax import formats
 from ckv_jax.benchmarks.timing import (Timing, fastest, measure_copy, measure_in_place, measure_pure, repeats_for,
                                        result_fields, torch_copy_timing, torch_index_select_timing)
-from pallas_kernels import _pallas_compat as compat
-from pallas_kernels import cache_writer, paged_gather
-from pallas_kernels.cache_writer import WriterConfig
-from pallas_kernels.paged_gather import GatherConfig
+from pallas_kernels import cache_writer, compat, paged_gather, tuning
+from pallas_kernels.cache_writer import WriterTiles
+from pallas_kernels.paged_gather import GatherTiles
 
 BLOCK = 64
 MIN_CACHE_BYTES = 512 * 2 ** 20
 
-# candidates: the configs that won or came within a few percent in the earlier H200 sweeps
-# (BENCHMARKS.md, kernel notes: smaller tiles won at every large size, so the smallest are here)
-GATHER_CONFIGS = [GatherConfig(t, w) for t, w in [(4, 2), (4, 4), (8, 2), (8, 4), (16, 4)]]
-DEQUANT_CONFIGS = [GatherConfig(t, w) for t, w in [(4, 4), (8, 2), (8, 4), (16, 8)]]
-SLOT_CONFIGS = [GatherConfig(t, w) for t, w in [(4, 2), (8, 2), (8, 4), (16, 8), (32, 8)]]
-WRITER_CONFIGS = [WriterConfig(t, w) for t, w in [(4, 2), (4, 4), (8, 2), (8, 4)]]
+# candidates: smaller tiles win at every large size on the H200 (BENCHMARKS.md, kernel notes), so
+# the smallest are here
+GATHER_CONFIGS = [GatherTiles(t, w) for t, w in [(4, 2), (4, 4), (8, 2), (8, 4), (16, 4)]]
+DEQUANT_CONFIGS = [GatherTiles(t, w) for t, w in [(4, 4), (8, 2), (8, 4), (16, 8)]]
+SLOT_CONFIGS = [GatherTiles(t, w) for t, w in [(4, 2), (8, 2), (8, 4), (16, 8), (32, 8)]]
+WRITER_CONFIGS = [WriterTiles(t, w) for t, w in [(4, 2), (4, 4), (8, 2), (8, 4)]]
 # tokens per op: from a 21 MB pack, a 64K-token shard and decode-sized slot lists up to working
 # sets far above the 60 MB L2 (524,288 fp8 records are the 344 MB pack of the goals; 131,072
 # written tokens are the patch of `ckv-jax bench`)
@@ -159,7 +159,7 @@ def sweep_paged(op, names, log, results, num_requests=1):
                 variants = [("xla", None, lambda c, b, u: paged_gather.gather_records_reference(c, b, u, num_rows=tokens))]
                 variants += [("pallas_triton", cfg, lambda c, b, u, cfg=cfg: paged_gather.gather_records_triton(
                     c, b, u, num_rows=tokens, config=cfg)) for cfg in configs]
-                if paged_gather.RECORDS["pallas_mosaic_gpu"].supported_on(device, cache.size)[0]:
+                if paged_gather.GATHER_RECORDS.implementation("pallas_mosaic_gpu").supported_on(device, cache.size, False)[0]:
                     variants.append(("pallas_mosaic_gpu", None, lambda c, b, u: paged_gather.gather_records(
                         c, b, u, num_rows=tokens, implementation="pallas_mosaic_gpu")))
             else:
@@ -219,7 +219,7 @@ def sweep_writer(names, log, results):
             moved = cache_writer.work_bytes(tokens, fmt.layout)
             copy = copy_ceiling(moved)
             # slots spread over up to 4x the tokens, as a patch; the cache stays below 2 GiB, where
-            # every implementation runs (`_registry.triton_supported`)
+            # every implementation runs (`selection.triton_supported`)
             nb = min(4 * -(-tokens // BLOCK), (2 ** 31 - 1) // (BLOCK * fmt.record_bytes))
             key = jax.random.key(tokens)
             inputs = []
@@ -232,9 +232,10 @@ def sweep_writer(names, log, results):
             ref = np.asarray(cache_writer.write_records_reference(empty(), *inputs[0], layout=fmt.layout))
             variants = [("xla", None)] + [("pallas_triton", cfg) for cfg in WRITER_CONFIGS]
             for impl, cfg in variants:
-                if not cache_writer.IMPLEMENTATIONS[impl].supported_on(device, nb * BLOCK * fmt.record_bytes)[0]:
+                implementation = cache_writer.WRITE_RECORDS.implementation(impl)
+                if not implementation.supported_on(device, nb * BLOCK * fmt.record_bytes, False)[0]:
                     continue
-                run = cache_writer.IMPLEMENTATIONS[impl].run
+                run = implementation.run
 
                 def op(cache, kv_c, k_pe, slots, run=run, cfg=cfg):
                     return run(cache, kv_c, k_pe, slots, layout=fmt.layout, config=cfg)
@@ -299,17 +300,26 @@ def merge_results(paths) -> list[dict]:
     return merged
 
 
-def print_table(results, kind):
-    print(f"\n# pallas_kernels.tuning.TABLE rows ({kind})")
-    for op, rows in table_rows(results).items():
-        print(f"    ({op!r}, {kind!r}): (")
-        for lo, order, configs in rows:
-            print(f"        ({lo}, {order!r},\n         {configs!r}),")
-        print("    ),")
+def table_document(results, kind) -> dict:
+    """The tuned table of `kind` as `pallas_kernels.tuning` reads it."""
+    ops = {op: [dict(min_work_bytes=lo, order=list(order), configs=configs) for lo, order, configs in rows]
+           for op, rows in table_rows(results).items()}
+    return dict(device_kind=kind, measured_by="python tools/tune.py: every implementation and tile config timed on "
+                "the device timeline, each checked against its reference first", ops=ops)
+
+
+def write_table(results, kind, table_dir) -> None:
+    """Print the table of `kind`, and write it to table_dir/<kind>.json when table_dir is given."""
+    text = json.dumps(table_document(results, kind), indent=1) + "\n"
+    print(f"\n# tuned table ({kind})\n{text}", end="")
+    if table_dir:
+        path = pathlib.Path(table_dir) / tuning.table_path(kind).name
+        path.write_text(text)
+        print(f"wrote {path}")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ckv_jax.benchmarks.tune", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python tools/tune.py", description=__doc__.splitlines()[0])
     ap.add_argument("--ops", default="gather_records,gather_dequant,gather_slots,write_records")
     ap.add_argument("--formats", default="fp8_ds_mla,nvfp4_ds_mla")
     ap.add_argument("--tokens", default=None, help="comma-separated sizes for every op (default: SIZES)")
@@ -317,11 +327,13 @@ def main(argv=None) -> int:
                     help="requests sharing the tokens of a paged gather (the table is built from one)")
     ap.add_argument("--out", default="tune.json", help="the JSON results file")
     ap.add_argument("--table-from", nargs="+", metavar="JSON", default=None,
-                    help="measure nothing: print the TABLE rows of earlier sweeps' JSON files (times averaged)")
+                    help="measure nothing: make the table from earlier sweeps' JSON files (times averaged)")
+    ap.add_argument("--table-out", metavar="DIR", default=None,
+                    help="also write the table to DIR/<device kind>.json (pallas_kernels/tuned to ship it)")
     ap.add_argument("--device-kind", default="NVIDIA H200", help="with --table-from: the device kind of the rows")
     args = ap.parse_args(argv)
     if args.table_from:
-        print_table(merge_results(args.table_from), args.device_kind)
+        write_table(merge_results(args.table_from), args.device_kind, args.table_out)
         return 0
     if args.tokens:
         sizes = tuple(int(t) for t in args.tokens.split(","))
@@ -340,7 +352,7 @@ def main(argv=None) -> int:
     launch = launch_timing()
     meta = dict(device=device.device_kind, jax=jax.__version__, launch_us=launch.seconds * 1e6,
                 launch_device_us=None if launch.device_seconds is None else launch.device_seconds * 1e6,
-                command="python -m ckv_jax.benchmarks.tune " + " ".join(argv if argv is not None else sys.argv[1:]))
+                command="python tools/tune.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     device_launch = "-" if meta["launch_device_us"] is None else f"{meta['launch_device_us']:.2f}"
     log(f"tuning on {meta['device']} (jax {meta['jax']}); one trivial kernel in a program: {meta['launch_us']:.1f} us"
         f" (device timeline: {device_launch} us)")
@@ -359,7 +371,7 @@ def main(argv=None) -> int:
             ap.error(f"--ops: unknown {op!r}")
         with open(args.out, "w") as f:
             json.dump(dict(meta, results=results), f, indent=1)
-    print_table(results, device.device_kind)
+    write_table(results, device.device_kind, args.table_out)
     return 0 if all(r["exact"] for r in results) else 1
 
 

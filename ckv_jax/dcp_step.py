@@ -1,0 +1,253 @@
+"""One DCP step, defined once: its device arrays, its host checks, and its three operations.
+
+Every runner (the one-call API in `full_ckv`, the per-layer `prefetch.PrefetchOrchestrator`,
+the in-program `pipelined_prefill.prefill_layers`) builds a step the same way:
+
+    arrays = step_arrays(plan, block_table, mesh)      # StepArrays, placed once per step
+    workspace = gather_workspace_in_shard_map(cache, arrays, out=slot)   # pack + all-gather
+    cache = write_chunk(cache, kv_c, k_pe, arrays)     # the chunk into this rank's paged cache
+    workspace = patch_chunk(workspace, kv_c, k_pe, arrays.chunk_rows)    # a prefetched workspace
+
+The three operations are functions usable inside a `shard_map` over the DCP axis;
+`gather_program`, `write_program` and `patch_program` are the same operations as jitted
+programs over a mesh, for callers outside one.  The kernels themselves come from
+`pallas_kernels` through these functions only.
+
+The gathered workspace is rank-major: rank o's shard of request r at rows
+`o * P + rank_req_starts[o, r] + local`, rows past a rank's total up to P zero.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ckv_jax import formats, placement, validation
+from ckv_jax.dcp_layout import DcpLayout
+from ckv_jax.placement import DCP_AXIS
+from ckv_jax.step_plan import StepPlan
+from pallas_kernels import cache_writer, paged_gather
+from pallas_kernels.record_layout import RecordLayout
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["block_table", "local_cu", "slots", "chunk_rows", "req_id", "causal_len",
+                                "rank_starts", "rank_lens"],
+                   meta_fields=["num_rows", "layout"])
+@dataclasses.dataclass(frozen=True)
+class StepArrays:
+    """The device-side arrays of one step, identical on every rank (a registered pytree; a
+    shard_map takes it whole with spec P()).
+
+      block_table i32[R, max_blocks]  shared by all ranks
+      local_cu    i32[D, R + 1]       each rank's cumulative local lengths, leading 0
+      slots       i32[D, T]           each rank's cache slot of every chunk token, -1 where another
+                                      rank owns the token
+      chunk_rows  i32[T]              the gathered-workspace row of every chunk token
+      req_id      i32[T]              the request of every query row
+      causal_len  i32[T]              global causal length of every query row (its position + 1)
+      rank_starts i32[D, R]           exclusive prefix sums of rank_lens along requests
+      rank_lens   i32[D, R]           local lengths per rank
+    Static: num_rows (P, the workspace rows per rank) and the DcpLayout.
+    """
+    block_table: jax.Array
+    local_cu: jax.Array
+    slots: jax.Array
+    chunk_rows: jax.Array
+    req_id: jax.Array
+    causal_len: jax.Array
+    rank_starts: jax.Array
+    rank_lens: jax.Array
+    num_rows: int
+    layout: DcpLayout
+
+
+def step_arrays(plan: StepPlan, block_table, mesh: jax.sharding.Mesh | None = None) -> StepArrays:
+    """The step's arrays from its plan and block table, replicated on `mesh` (None: on the default
+    device), in one transfer.  Check the block table first (`check_block_table`)."""
+    table = np.asarray(block_table).astype(np.int32)
+    host = StepArrays(block_table=table, local_cu=plan.local_cu_seq_lens, slots=dcp_slot_mapping(plan, table),
+                      chunk_rows=chunk_rows(plan), req_id=plan.req_id_per_token, causal_len=plan.causal_lens(),
+                      rank_starts=plan.rank_req_starts, rank_lens=plan.rank_req_lens,
+                      num_rows=plan.padded_tokens, layout=plan.layout)
+    return jax.device_put(host, None if mesh is None else NamedSharding(mesh, P()))
+
+
+def workspace_rows(plan: StepPlan, req, pos):
+    """Row of global position `pos` of request `req` in the gathered workspace (numpy or jax)."""
+    layout = plan.layout
+    owner, local = layout.owner(pos), layout.local_index(pos)
+    starts = plan.rank_req_starts
+    if not isinstance(pos, np.ndarray) and not np.isscalar(pos):
+        starts = jnp.asarray(starts)
+    return owner * plan.padded_tokens + starts[owner, req] + local
+
+
+def chunk_rows(plan: StepPlan) -> np.ndarray:
+    """i32[T]: the workspace row of every current-chunk token (all owners, all requests)."""
+    return workspace_rows(plan, plan.req_id_per_token, plan.positions().astype(np.int64)).astype(np.int32)
+
+
+def dcp_slot_mapping(plan: StepPlan, block_table) -> np.ndarray:
+    """i32[D, T]: each rank's slot for every current-chunk token (-1 where another rank owns it)."""
+    table = np.asarray(block_table)
+    pos = plan.positions()
+    return np.stack([plan.layout.slot_mapping(pos, plan.req_id_per_token, table, rank)
+                     for rank in range(plan.world_size)]).astype(np.int32)
+
+
+# -- host checks: each written once ----------------------------------------------------------------
+def check_block_table(plan: StepPlan, block_table, num_blocks: int | None = None, validate: bool | None = None):
+    """int32[R, max_blocks] with room for every rank's local length; with validation on, every
+    block id a rank will read lies in [0, num_blocks)."""
+    validation.check_array("block_table", block_table, (jnp.int32,), f"[{plan.num_reqs}, max_blocks]", 2)
+    if block_table.shape[0] != plan.num_reqs:
+        raise ValueError(f"block_table: expected int32[{plan.num_reqs}, max_blocks] (one row per request), "
+                         f"got {validation.describe(block_table)}")
+    need = plan.layout.blocks_needed(plan.rank_req_lens.max(axis=0, initial=0))       # [R]
+    if plan.num_reqs and need.max() > block_table.shape[1]:
+        r = int(np.argmax(need))
+        raise ValueError(f"seq_lens: request {r} needs {int(need[r])} blocks per rank but block_table has "
+                         f"{block_table.shape[1]} columns (seq_len {int(plan.seq_lens[r])})")
+    if num_blocks is not None and validation.validation_enabled(validate):
+        table = validation.concrete("block_table", block_table)
+        for r in range(plan.num_reqs):
+            ids = table[r, :need[r]]
+            bad = np.flatnonzero((ids < 0) | (ids >= num_blocks))
+            if bad.size:
+                raise ValueError(f"block_table: request {r} block {int(bad[0])} is {int(ids[bad[0]])}, "
+                                 f"expected a block id in [0, {num_blocks})")
+
+
+def check_caches(fmt: formats.RecordFormat, caches, plan: StepPlan) -> int:
+    """u8[D * num_blocks, block_size, R] of `fmt` with the plan's block size; returns num_blocks
+    (per rank)."""
+    validation.check_cache(fmt, caches)
+    d = plan.world_size
+    if caches.shape[0] % d:
+        raise ValueError(f"caches: expected D * num_blocks rows on axis 0 (D={d}), got {validation.describe(caches)}")
+    if caches.shape[1] != plan.layout.block_size:
+        raise ValueError(f"caches: expected block_size {plan.layout.block_size} on axis 1, "
+                         f"got {validation.describe(caches)}")
+    return caches.shape[0] // d
+
+
+def check_chunk(fmt: formats.RecordFormat, kv_c, k_pe, plan: StepPlan):
+    """kv_c [T, nope_dim] and k_pe bf16[T, rope_dim] with T the plan's query tokens."""
+    if validation.check_values(fmt, kv_c, k_pe) != plan.num_tokens:
+        raise ValueError(f"kv_c: expected [{plan.num_tokens}, {fmt.nope_dim}] (the step's query tokens), "
+                         f"got {validation.describe(kv_c)}")
+
+
+def bounded_pack_tiles(programs: int) -> paged_gather.GatherTiles:
+    """The pack's tiles with a bounded SM footprint: `programs` persistent programs (e.g. one per
+    two SMs, `device.core_count // 2`), each moving 64-record tiles.  A full grid keeps every SM
+    busy until the gather ends, so kernels another stream launches meanwhile wait for it; a
+    bounded grid leaves the other SMs to them.  Measured on the H200 (BENCHMARKS.md, "Torch
+    adapter overlap"): that hides a prefetch under compute that leaves SMs idle, but slows compute
+    that fills every SM (matmuls) by more than it hides, where the full grid does better; so the
+    full grid is the default and a bounded one the caller's choice (`prefetch_programs`)."""
+    if isinstance(programs, bool) or not isinstance(programs, int) or programs <= 0:
+        raise ValueError(f"programs: expected a positive number of persistent programs, got {programs!r}")
+    return paged_gather.GatherTiles(rows_per_tile=64, num_warps=8, programs=programs)
+
+
+def static_implementation(implementation):
+    """`implementation` as a hashable static argument for jit (a sequence becomes a tuple)."""
+    if implementation is None or isinstance(implementation, str):
+        return implementation
+    return tuple(implementation)
+
+
+# -- the three operations, usable inside a shard_map over the DCP axis --------------------------------
+def gather_workspace_in_shard_map(cache, arrays: StepArrays, *, out=None, axis_name: str = DCP_AXIS,
+                                  implementation=None, interpret: bool = False, tiles=None, device=None):
+    """This rank's cache u8[num_blocks, block_size, R] -> the rank-major workspace u8[D * P, R].
+
+    Each rank packs its local history of all requests (zero-padded to P rows) and one all-gather
+    over `axis_name` concatenates the packs.  out: optional u8[M >= D * P, R] (a ring slot,
+    donated by the caller) that receives the workspace in its rows [0, D * P).  With D = 1 the
+    pack writes straight into it.  With D > 1 the all-gather's result is copied into it once:
+    XLA's all-gather writes a buffer of its own and cannot target a slice of another one.
+    tiles: the Pallas Triton pack's tile config (None: the measured one); device: where the
+    kernels run, for their selection (None: the default device).
+    """
+    world_size = arrays.local_cu.shape[0]
+    num_rows = arrays.num_rows
+    if num_rows == 0:        # no history on any rank: XLA rejects a zero-size all-gather
+        return jnp.zeros((0, cache.shape[2]), cache.dtype) if out is None else out
+    rank = lax.axis_index(axis_name)
+    pack = functools.partial(paged_gather.gather_records, cache, arrays.block_table, arrays.local_cu[rank],
+                             num_rows=num_rows, implementation=implementation, interpret=interpret, config=tiles,
+                             device=device)
+    if world_size == 1:      # the all-gather of one rank is the identity: no collective, no copy
+        return pack(out=out)
+    workspace = lax.all_gather(pack(), axis_name, axis=0, tiled=True)
+    return workspace if out is None else lax.dynamic_update_slice(out, workspace, (0, 0))
+
+
+def write_chunk(cache, kv_c, k_pe, arrays: StepArrays, *, layout: RecordLayout, axis_name: str = DCP_AXIS,
+                implementation=None, interpret: bool = False, device=None):
+    """The chunk tokens this rank owns, encoded into its cache u8[num_blocks, block_size, R]
+    (every rank holds all T tokens of kv_c [T, nope_dim] and k_pe bf16[T, rope_dim])."""
+    return cache_writer.write_records(cache, kv_c, k_pe, arrays.slots[lax.axis_index(axis_name)], layout=layout,
+                                      implementation=implementation, interpret=interpret, device=device)
+
+
+def patch_chunk(workspace, kv_c, k_pe, rows, *, layout: RecordLayout, implementation=None, interpret: bool = False,
+                device=None):
+    """The chunk's records written into a gathered workspace u8[N, R] at `rows` i32[T] (its
+    `chunk_rows`), in place; other rows untouched.
+
+    A prefetched workspace was gathered before its layer wrote the current chunk into the paged
+    cache, so the chunk's rows hold stale bytes.  Every rank holds the chunk's latents of all T
+    tokens, so it re-encodes them with the cache writer (bit-identical records), treating the
+    workspace as a cache of N blocks of one record.
+    """
+    n, record_bytes = workspace.shape
+    out = cache_writer.write_records(workspace.reshape(n, 1, record_bytes), kv_c, k_pe, rows, layout=layout,
+                                     implementation=implementation, interpret=interpret, device=device)
+    return out.reshape(n, record_bytes)
+
+
+# -- the same operations as programs over a mesh ----------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "implementation", "interpret", "tiles"),
+                   donate_argnames=("out",), keep_unused=True)
+def gather_program(caches, arrays: StepArrays, out=None, after=None, *, mesh, axis_name: str = DCP_AXIS,
+                   implementation=None, interpret: bool = False, tiles=None):
+    """The gathered workspace u8[D * P, R] (replicated) from the sharded u8[D * num_blocks,
+    block_size, R] caches; written into `out` (donated) when given.  after: an array the program
+    takes as an unused input, so that it runs only once `after` is ready."""
+    body = functools.partial(gather_workspace_in_shard_map, axis_name=axis_name, implementation=implementation,
+                             interpret=interpret, tiles=tiles, device=placement.mesh_device(mesh))
+    if out is None:
+        return jax.shard_map(lambda c, a: body(c, a), mesh=mesh, in_specs=(P(axis_name), P()), out_specs=P(),
+                             check_vma=False)(caches, arrays)
+    return jax.shard_map(lambda c, a, o: body(c, a, out=o), mesh=mesh, in_specs=(P(axis_name), P(), P()),
+                         out_specs=P(), check_vma=False)(caches, arrays, out)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "layout", "implementation", "interpret"),
+                   donate_argnums=(0,))
+def write_program(caches, kv_c, k_pe, arrays: StepArrays, *, mesh, layout: RecordLayout,
+                  axis_name: str = DCP_AXIS, implementation=None, interpret: bool = False):
+    """`write_chunk` on every rank: the sharded caches (donated) with the chunk written."""
+    body = functools.partial(write_chunk, layout=layout, axis_name=axis_name, implementation=implementation,
+                             interpret=interpret, device=placement.mesh_device(mesh))
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(axis_name), P(), P(), P()), out_specs=P(axis_name),
+                         check_vma=False)(caches, kv_c, k_pe, arrays)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "implementation", "interpret", "device"),
+                   donate_argnums=(0,), keep_unused=True)
+def patch_program(workspace, kv_c, k_pe, rows, after=None, *, layout: RecordLayout, implementation=None,
+                  interpret: bool = False, device=None):
+    """`patch_chunk` as a program over the workspace's devices (donated, updated in place).
+    after: an array the program takes as an unused input (see `gather_program`)."""
+    return patch_chunk(workspace, kv_c, k_pe, rows, layout=layout, implementation=implementation,
+                       interpret=interpret, device=device)
