@@ -277,7 +277,7 @@ def main(argv=None) -> int:
                     help="torch compute per layer, ms (default %(default)s)")
     ap.add_argument("--kinds", type=lambda t: t.split(","), default=["sleep", "matmul"],
                     help="torch compute kinds (default %(default)s)")
-    ap.add_argument("--streams", type=lambda t: t.split(","), default=["default", "side"],
+    ap.add_argument("--streams", type=lambda t: t.split(","), default=list(STREAMS),
                     help=f"torch streams, of {', '.join(STREAMS)} (default %(default)s)")
     ap.add_argument("--trials", type=int, default=5, help="timed steps per row (default %(default)s)")
     ap.add_argument("--prefetch-programs", type=int, default=None,
