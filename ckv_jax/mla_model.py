@@ -37,9 +37,9 @@ def mla_layer(model, fmt, dcp, axis):
         kv = x @ p["w_kv"]
         return q.astype(jnp.bfloat16), kv[:, :512].astype(jnp.bfloat16), kv[:, 512:].astype(jnp.bfloat16)
 
-    def attend(q, workspace, indices, counts):
-        out, _ = sparse_mla.attend(q, workspace, indices, counts, model.sm_scale, fmt.layout)
-        return out.astype(jnp.bfloat16)
+    def attend(q, workspace, indices, counts):           # the implementation `attend` selects
+        out, _ = sparse_mla.attend(q, workspace, indices, counts, model.sm_scale, fmt.layout, out_dtype=jnp.bfloat16)
+        return out
 
     def finish(p, x, out):
         heads = lax.all_gather(out, axis, axis=1, tiled=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ckv_jax import dcp_step, formats, placement, validation
 from ckv_jax.placement import DCP_AXIS
 from ckv_jax.step_plan import StepPlan
-from pallas_kernels import record_codec
+from pallas_kernels import selection
+from pallas_kernels.sparse_mla_attention import SPARSE_MLA_ATTENTION, attention_blocked
+from pallas_kernels.sparse_mla_attention import api as attention_op
 
 
 def check_attention_inputs(q, records, indices, counts, sm_scale, fmt: formats.RecordFormat, *,
@@ -66,29 +69,49 @@ def check_sm_scale(sm_scale):
         raise TypeError(f"sm_scale: expected a number, got {type(sm_scale).__name__}")
 
 
-def attend(q, records, indices, counts, sm_scale, layout):
+IMPLEMENTATIONS = SPARSE_MLA_ATTENTION.names
+
+
+def attend(q, records, indices, counts, sm_scale, layout, *, implementation=None, interpret: bool = False,
+           device=None, out_dtype=jnp.float32):
     """The attention body (no checks; usable inside jit and shard_map): q [T, H, 576], records
-    u8[N, R] of `layout`, indices i32[T, K], counts i32[T] -> (out f32[T, H, 512], lse f32[T, H])."""
-    n = records.shape[0]
-    k = indices.shape[1]
-    valid = (jnp.arange(k)[None, :] < counts[:, None]) & (indices >= 0) & (indices < n)
-    rows = jnp.where(valid, indices, 0)
-    kv = record_codec.decode(layout, records[rows.reshape(-1)]).reshape(*rows.shape, layout.value_dim)
-    kv = jnp.where(valid[..., None], kv, 0.0)        # holes may point at garbage (NaN * 0 = NaN)
-    scores = jnp.einsum("thd,tkd->thk", q.astype(jnp.float32), kv,
-                        precision=lax.Precision.HIGHEST) * sm_scale
-    scores = jnp.where(valid[:, None, :], scores, -jnp.inf)
-    m = jnp.max(scores, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(scores - m)
-    denom = jnp.sum(p, axis=-1)
-    out = jnp.einsum("thk,tkd->thd", p, kv[..., :layout.nope_dim], precision=lax.Precision.HIGHEST)
-    # a row is empty only when no index is valid: a NaN score (from q or a record) stays NaN
-    nonempty = jnp.broadcast_to(valid.any(axis=-1)[:, None], denom.shape)
-    safe = jnp.where(denom > 0, denom, 1.0)
-    out = jnp.where(nonempty[..., None], out / jnp.where(jnp.isnan(denom), denom, safe)[..., None], 0.0)
-    lse = jnp.where(nonempty, jnp.log(denom) + m[..., 0], -jnp.inf)
-    return out, lse
+    u8[N, R] of `layout`, indices i32[T, K], counts i32[T] -> (out [T, H, 512] out_dtype, lse
+    f32[T, H]), by the implementation `implementation` selects (None: the measured choice for
+    the device, else XLA; `device` is where it runs, default the default one)."""
+    return attention_op.sparse_mla_attention(q, records, indices, counts, sm_scale, layout=layout,
+                                             implementation=implementation, interpret=interpret,
+                                             out_dtype=out_dtype, device=device)
+
+
+def sparse_mla_attention(q, records, indices, counts, sm_scale, *, format: str | formats.RecordFormat,
+                         implementation: str | Sequence[str] | None = None, interpret: bool = False):
+    """Sparse MLA over selected records, by a kernel that reads the records directly.
+
+    The semantics of `sparse_mla_reference` (this module's docstring), computed with bf16
+    products and float32 accumulation by the Pallas kernel (relative errors about 1e-2), or by
+    the blocked XLA reference.
+
+    Args:
+      q: bf16|f16|f32[T, H, 576]; records: u8[N, R] of `format` (a gathered workspace, or a paged
+        cache viewed flat with slots as indices); indices: i32[T, K]; counts: i32[T];
+      sm_scale: positive and finite.
+      implementation: None (the measured choice for the device, else XLA), one of
+        IMPLEMENTATIONS ("pallas_triton": the kernel), or a sequence tried in order.
+      interpret: run the Pallas kernel in interpret mode (CPU testing).
+    Returns:
+      out bf16[T, H, 512], lse f32[T, H].
+    """
+    fmt = formats.get(format)
+    check_attention_inputs(q, records, indices, counts, sm_scale, fmt)
+    return _attention_jit(q, records, indices, counts, sm_scale, layout=fmt.layout,
+                          implementation=dcp_step.static_implementation(implementation), interpret=interpret,
+                          device=selection.device_of(records))
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "implementation", "interpret", "device"))
+def _attention_jit(q, records, indices, counts, sm_scale, *, layout, implementation, interpret, device):
+    return attend(q, records, indices, counts, sm_scale, layout, implementation=implementation,
+                  interpret=interpret, device=device, out_dtype=jnp.bfloat16)
 
 
 def sparse_mla_reference(q, records, indices, counts, sm_scale, *, format: str | formats.RecordFormat):
@@ -111,7 +134,7 @@ def sparse_mla_reference(q, records, indices, counts, sm_scale, *, format: str |
 
 @functools.partial(jax.jit, static_argnames=("layout",))
 def _reference_jit(q, records, indices, counts, sm_scale, *, layout):
-    out, lse = attend(q, records, indices, counts, sm_scale, layout)
+    out, lse = attention_blocked(q, records, indices, counts, sm_scale, layout=layout)
     return out.astype(jnp.bfloat16), lse
 
 
@@ -134,12 +157,14 @@ def merge_partials(out, lse, axis_name: str):
 
 
 def full_ckv_attention(q, workspace, indices, counts, sm_scale, *, format: str | formats.RecordFormat, mesh,
-                       axis_name: str = DCP_AXIS):
+                       axis_name: str = DCP_AXIS, implementation: str | Sequence[str] | None = None,
+                       interpret: bool = False):
     """Full-CKV path: each rank runs its own H/D query heads over the whole gathered workspace.
 
     q: bf16[T, H, 576] (H divisible by D); workspace: u8[D * P, R] replicated; indices/counts from
     `remap_topk`.  Returns out bf16[T, H, 512], lse f32[T, H] (heads rank-major, as q), sharded
     by heads on an Auto-typed copy of `mesh`, so they index like ordinary arrays.
+    implementation, interpret: the attention's, as for `sparse_mla_attention`.
     """
     fmt = formats.get(format)
     d = placement.mesh_axis_size(mesh, axis_name)
@@ -150,8 +175,8 @@ def full_ckv_attention(q, workspace, indices, counts, sm_scale, *, format: str |
     layout = fmt.layout
 
     def body(q_local, ws, idx, cnt):
-        out, lse = attend(q_local, ws, idx, cnt, sm_scale, layout)
-        return out.astype(jnp.bfloat16), lse
+        return attend(q_local, ws, idx, cnt, sm_scale, layout, implementation=implementation, interpret=interpret,
+                      device=placement.mesh_device(mesh), out_dtype=jnp.bfloat16)
 
     specs = (P(None, axis_name), P(), P(), P())
     args = [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip((q, workspace, indices, counts), specs)]
@@ -160,17 +185,19 @@ def full_ckv_attention(q, workspace, indices, counts, sm_scale, *, format: str |
 
 
 def stock_dcp_attention(q, caches, block_table, topk, plan: StepPlan, sm_scale, *,
-                        format: str | formats.RecordFormat, mesh,
-                        axis_name: str = DCP_AXIS):
+                        format: str | formats.RecordFormat, mesh, axis_name: str = DCP_AXIS,
+                        implementation: str | Sequence[str] | None = None, interpret: bool = False):
     """Stock DCP path: every rank attends its own shard with all heads and the global top-k
     filtered to the entries it owns (as local physical slots), then the LSE merge.
 
     caches: u8[D * num_blocks, block_size, R] sharded as for `all_gather_ckv`; topk: i32[T, K]
-    global positions.  Returns out bf16[T, H, 512], lse f32[T, H], replicated.
+    global positions.  Returns out bf16[T, H, 512], lse f32[T, H], replicated.  The per-rank
+    partials are float32 (`attend` with implementation, interpret as for `sparse_mla_attention`).
     """
     fmt = formats.get(format)
     placement.mesh_axis_size(mesh, axis_name, plan.world_size)
     dcp_step.check_caches(fmt, caches, plan)
+    implementation = dcp_step.static_implementation(implementation)
     t = plan.num_tokens
     check_query(q, fmt)
     check_rows("topk", topk, q.shape[0])
@@ -194,7 +221,8 @@ def stock_dcp_attention(q, caches, block_table, topk, plan: StepPlan, sm_scale, 
         slots = jnp.where(mine, table[req_id[:, None], blk] * block_size + local % block_size, -1)
         counts = jnp.full((tk.shape[0],), tk.shape[1], jnp.int32)
         out, lse = attend(q_all, cache.reshape(num_blocks * block_size, record_bytes), slots, counts,
-                          sm_scale, rec_layout)
+                          sm_scale, rec_layout, implementation=implementation, interpret=interpret,
+                          device=placement.mesh_device(mesh))
         out, lse = merge_partials(out, lse, axis_name)
         return out.astype(jnp.bfloat16), lse
 

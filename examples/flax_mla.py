@@ -101,6 +101,7 @@ def indexer_stand_in(positions, topk: int, sinks: int = 4):
 
 def dcp_layer(graphdef, heads: int, dcp: int, sm_scale: float, fmt, axis: str):
     """The model as one DCP rank runs it inside `prefill_layers`: its own heads only."""
+    import jax.numpy as jnp
     from flax import nnx
     from jax import lax
 
@@ -113,8 +114,8 @@ def dcp_layer(graphdef, heads: int, dcp: int, sm_scale: float, fmt, axis: str):
         q, kv_c, k_pe = nnx.merge(graphdef, state).project(x, cos, sin)
         return lax.dynamic_slice_in_dim(q, lax.axis_index(axis) * local, local, axis=1), kv_c, k_pe
 
-    def attend(q, workspace, indices, counts):
-        out, _ = sparse_mla.sparse_mla_reference(q, workspace, indices, counts, sm_scale, format=fmt.name)
+    def attend(q, workspace, indices, counts):           # the implementation `attend` selects
+        out, _ = sparse_mla.attend(q, workspace, indices, counts, sm_scale, fmt.layout, out_dtype=jnp.bfloat16)
         return out
 
     def finish(params, x, out):

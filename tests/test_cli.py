@@ -44,20 +44,23 @@ def test_cli_rejects_unknown_command_and_bad_flags():
 
 def test_bench_writes_json_and_plot_writes_pngs(tmp_path):
     out = tmp_path / "results.json"
-    proc = _run("bench", "--ops", "writer,gather,patch,prefill", "--tokens", "128", "--formats", "nvfp4_ds_mla",
+    proc = _run("bench", "--ops", "writer,gather,patch,prefill,attention", "--tokens", "128", "--formats", "nvfp4_ds_mla",
                 "--patterns", "random", "--chunk", "32", "--prefill-chunk", "32", "--depths", "0,1", "--layers", "1", "--context", "128",
+                "--heads", "16,32", "--attention-tokens", "4", "--attention-rows", "256", "--top-k", "32",
                 "--repeats", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     import json
     data = json.loads(out.read_text())
     assert data["backend"] == "cpu" and data["command"].startswith("ckv-jax bench")
     ops = {r["op"] for r in data["results"]}
-    assert ops == {"write_records", "gather_raw", "gather_dequant", "patch", "prefill_step"}
+    assert ops == {"write_records", "gather_raw", "gather_dequant", "patch", "prefill_step", "attention"}
+    assert [(r["heads"], r["implementation"]) for r in data["results"] if r["op"] == "attention"] == [
+        (16, "xla"), (32, "xla")]
     assert all(r["exact"] for r in data["results"])
     assert [r["depth"] for r in data["results"] if r["op"] == "prefill_step"] == [0, 1]
     proc = _run("plot", str(out), "--out-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for name in ("bandwidth.png", "prefill_depth.png"):
+    for name in ("bandwidth.png", "prefill_depth.png", "attention.png"):
         png = (tmp_path / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
@@ -70,7 +73,8 @@ def test_version_and_helps_document_every_option():
                                        "--chunk", "--requests", "--heads", "--d-model", "--topk", "--block-size",
                                        "--seed"]),
                              ("bench", ["--ops", "--tokens", "--formats", "--patterns", "--chunk", "--prefill-chunk",
-                                        "--depths", "--layers", "--context", "--repeats", "--interpret", "--out"]),
+                                        "--depths", "--layers", "--context", "--heads", "--attention-tokens",
+                                        "--attention-rows", "--top-k", "--repeats", "--interpret", "--out"]),
                              ("plot", ["--out-dir"])]:
         proc = _run(command, "--help")
         assert proc.returncode == 0, proc.stderr
@@ -86,7 +90,7 @@ def test_version_and_helps_document_every_option():
             if option not in ("--interpret", "--dcp"):
                 assert "(default:" in " ".join(entries[option].split()), f"{command} --help: {option} has no default"
     bench_help = " ".join(_run("bench", "--help").stdout.split())
-    for op_tag in ("[writer]", "[prefill]", "[writer, gather, patch]"):
+    for op_tag in ("[writer]", "[prefill]", "[attention]", "[writer, gather, patch]"):
         assert op_tag in bench_help
 
 

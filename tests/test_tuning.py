@@ -12,7 +12,7 @@ import pytest
 
 from ckv_jax import formats
 from ckv_jax.benchmarks import timing as timing_mod
-from pallas_kernels import cache_writer, paged_gather, selection, tuning
+from pallas_kernels import cache_writer, paged_gather, selection, sparse_mla_attention, tuning
 from pallas_kernels.cache_writer import WriterTiles
 from pallas_kernels.paged_gather import GatherTiles
 
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
 import tune  # noqa: E402  (a maintainer tool, not installed)
 
 OPS = {op.name: op for op in (paged_gather.GATHER_RECORDS, paged_gather.GATHER_DEQUANT, paged_gather.GATHER_SLOTS,
-                              cache_writer.WRITE_RECORDS)}
+                              cache_writer.WRITE_RECORDS, sparse_mla_attention.SPARSE_MLA_ATTENTION)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ instead, each config's time averaged over the sweeps that ran it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import pathlib
@@ -34,9 +35,10 @@ from jax.experimental import pallas as pl
 from ckv_jax import formats
 from ckv_jax.benchmarks.timing import (Timing, fastest, measure_copy, measure_in_place, measure_pure, repeats_for,
                                        result_fields, torch_copy_timing, torch_index_select_timing)
-from pallas_kernels import cache_writer, compat, paged_gather, tuning
+from pallas_kernels import cache_writer, compat, paged_gather, sparse_mla_attention, tuning
 from pallas_kernels.cache_writer import WriterTiles
 from pallas_kernels.paged_gather import GatherTiles
+from pallas_kernels.sparse_mla_attention import AttentionTiles
 
 BLOCK = 64
 MIN_CACHE_BYTES = 512 * 2 ** 20
@@ -245,6 +247,45 @@ def sweep_writer(names, log, results):
                 _timed(log, results, _row("write_records", fmt, tokens, impl, cfg, timing, moved, copy, exact))
 
 
+ATTENTION_CONFIGS = [AttentionTiles(h, k, w, st) for h, k, w, st in
+                     [(16, 32, 4, 1), (32, 32, 8, 1), (32, 64, 8, 1), (64, 32, 8, 1), (64, 64, 8, 1), (32, 32, 4, 2)]]
+# the prefill shape of the attention goals: T query tokens with their own top-k over a gathered
+# fp8 workspace far above L2, at the head counts of TP 8 (16), TP 2 (64) and one GPU (128)
+ATTENTION_SHAPE = dict(tokens=4096, top_k=2048, rows=262144)
+ATTENTION_HEADS = (16, 64, 128)
+
+
+def sweep_attention(names, log, results):
+    """Every tile config of the Pallas attention, each checked against the XLA implementation on
+    the first inputs (`ckv_jax.benchmarks.attention`); the work of a row is its FLOPs."""
+    from ckv_jax.benchmarks import attention as bench
+    t, k, rows = ATTENTION_SHAPE["tokens"], ATTENTION_SHAPE["top_k"], ATTENTION_SHAPE["rows"]
+    for name in names:
+        fmt = formats.get(name)
+        records = bench._records(fmt, rows, seed=1)
+        for heads in ATTENTION_HEADS:
+            inputs = bench._inputs(t, heads, k, rows, seed=heads)
+            work = sparse_mla_attention.flops(t, heads, k, fmt.layout)
+            reference = sparse_mla_attention.attention_blocked(inputs[0][0], records, *inputs[0][1:], 576 ** -0.5,
+                                                               layout=fmt.layout)
+            for cfg in ATTENTION_CONFIGS:
+                def op(q, indices, counts, cfg=cfg):
+                    return sparse_mla_attention.sparse_mla_attention_triton(q, records, indices, counts, 576 ** -0.5,
+                                                                            layout=fmt.layout, config=cfg)
+                exact = bench._checked(jax.jit(op)(*inputs[0]), reference)
+                timing = measure_pure(op, inputs)
+                row = dict(op="sparse_mla_attention", format=name, size=work, implementation="pallas_triton",
+                           config=dataclasses.asdict(cfg), bytes_moved=work, exact=exact, us=timing.seconds * 1e6,
+                           heads=heads, tflops=work / timing.seconds / 1e12)
+                if timing.device_seconds is not None:
+                    row.update(device_us=timing.device_seconds * 1e6,
+                               device_tflops=work / timing.device_seconds / 1e12)
+                results.append(row)
+                log(f"  sparse_mla_attention {name:<13} H={heads:<4} {cfg} {row['us']:9.1f} us "
+                    f"{row.get('device_tflops', row['tflops']):6.1f} TFLOP/s exact={exact}")
+            del inputs, reference
+
+
 def table_rows(results):
     """Per op and size: implementations by their best time summed over formats, and the winning
     config of each; row boundaries halfway (geometrically) between the measured sizes.  The time
@@ -309,18 +350,24 @@ def table_document(results, kind) -> dict:
 
 
 def write_table(results, kind, table_dir) -> None:
-    """Print the table of `kind`, and write it to table_dir/<kind>.json when table_dir is given."""
-    text = json.dumps(table_document(results, kind), indent=1) + "\n"
+    """Print the table of `kind`, and write it to table_dir/<kind>.json when table_dir is given;
+    an existing file keeps the entries of the ops this sweep did not measure."""
+    doc = table_document(results, kind)
+    path = pathlib.Path(table_dir) / tuning.table_path(kind).name if table_dir else None
+    if path is not None and path.is_file():
+        old = json.loads(path.read_text())
+        doc["ops"] = dict(old.get("ops", {}), **doc["ops"])
+    text = json.dumps(doc, indent=1) + "\n"
     print(f"\n# tuned table ({kind})\n{text}", end="")
-    if table_dir:
-        path = pathlib.Path(table_dir) / tuning.table_path(kind).name
+    if path is not None:
         path.write_text(text)
         print(f"wrote {path}")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/tune.py", description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", default="gather_records,gather_dequant,gather_slots,write_records")
+    ap.add_argument("--ops", default="gather_records,gather_dequant,gather_slots,write_records",
+                    help="ops to sweep (default %(default)s; also sparse_mla_attention)")
     ap.add_argument("--formats", default="fp8_ds_mla,nvfp4_ds_mla")
     ap.add_argument("--tokens", default=None, help="comma-separated sizes for every op (default: SIZES)")
     ap.add_argument("--requests", type=int, default=1,
@@ -367,6 +414,8 @@ def main(argv=None) -> int:
             sweep_slots(names, log, results)
         elif op == "write_records":
             sweep_writer(names, log, results)
+        elif op == "sparse_mla_attention":
+            sweep_attention(names, log, results)
         else:
             ap.error(f"--ops: unknown {op!r}")
         with open(args.out, "w") as f:

@@ -1,5 +1,6 @@
-"""`ckv-jax plot results.json [more.json ...]`: bandwidth as % of the copy ceiling, and prefill step
-time vs depth (several files of one machine, e.g. separate kernel and prefill sweeps, plot together)."""
+"""`ckv-jax plot results.json [more.json ...]`: bandwidth as % of the copy ceiling, prefill step
+time vs depth, and attention TFLOP/s vs heads (several files of one machine, e.g. separate kernel
+and prefill sweeps, plot together)."""
 from __future__ import annotations
 
 import argparse
@@ -67,6 +68,12 @@ def main(argv=None) -> int:
         ap.error(f"--out-dir {args.out_dir}: not a directory")
     title = f"{data.get('device', '?')} (jax {data.get('jax', '?')})"
     written = []
+
+    def save(fig, name):
+        path = os.path.join(args.out_dir, name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        written.append(path)
     kernel = [r for r in results if r.get("pct_of_copy") is not None]
     if kernel:
         fig, ax = plt.subplots(figsize=(9, 5.5))
@@ -93,10 +100,7 @@ def main(argv=None) -> int:
         ax.set_title(f"CKV kernels vs copy ceiling: {title}\ncolour: implementation, line: format, marker: op",
                      fontsize=9)
         ax.legend(fontsize=6, ncol=2)
-        path = os.path.join(args.out_dir, "bandwidth.png")
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        written.append(path)
+        save(fig, "bandwidth.png")
     steps = [r for r in results if r["op"] == "prefill_step"]
     if steps:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -107,12 +111,34 @@ def main(argv=None) -> int:
         mesh = f"mesh of {r0['dcp']} {data.get('backend', '?')} device(s) ({data.get('device', '?')})"
         ax.set_title(f"{r0['layers']} layers, context {r0['tokens']}, chunk {r0['chunk']}, D={r0['dcp']}\n"
                      f"{mesh}, jax {data.get('jax', '?')}", fontsize=9)
-        path = os.path.join(args.out_dir, "prefill_depth.png")
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        written.append(path)
+        save(fig, "prefill_depth.png")
+    attention = [r for r in results if r["op"] == "attention"]
+    if attention:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        colors = plt.get_cmap("tab10")
+        series = {}
+        for r in attention:
+            rate = r.get("device_tflops", r["tflops"])
+            series.setdefault(("attention", r.get("mode", ""), r["format"], r["implementation"]), []).append(
+                (r["heads"], rate))
+        styles = line_styles(series)
+        for key, pts in sorted(series.items()):
+            pts.sort()
+            color, linestyle, marker = styles[key]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors(color), linestyle=linestyle, marker=marker,
+                    label=" ".join(k for k in key[1:] if k))
+        matmul = attention[0].get("device_matmul_tflops", attention[0]["matmul_tflops"])
+        ax.axhline(matmul, color="grey", lw=0.8, ls="--", label=f"bf16 matmul {matmul:.3g} TFLOP/s")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("query heads")
+        ax.set_ylabel("TFLOP/s (2 T H K (576 + 512))" + (", device timeline" if "device_tflops" in attention[0] else ""))
+        r0 = attention[0]
+        ax.set_title(f"sparse-MLA attention, T={r0['tokens']}, top-k {r0['top_k']}, {r0['rows']} records: {title}",
+                     fontsize=9)
+        ax.legend(fontsize=7)
+        save(fig, "attention.png")
     if not written:
-        ap.error(f"{', '.join(args.results)}: no kernel or prefill results to plot")
+        ap.error(f"{', '.join(args.results)}: no kernel, prefill or attention results to plot")
     for path in written:
         print(f"wrote {path}")
     return 0

@@ -1,7 +1,8 @@
 """`ckv-jax bench`: the kernel sweeps and the pipelined prefill, one JSON file.
 
-  ckv-jax bench [--ops writer,gather,patch,prefill] [--tokens 65536,262144] [--formats fp8_ds_mla]
-                [--depths 0,1,2,3] [--context 32768] [--prefill-chunk 1024] [--out results.json]
+  ckv-jax bench [--ops writer,gather,patch,prefill,attention] [--tokens 65536,262144] [--formats fp8_ds_mla]
+                [--depths 0,1,2,3] [--context 32768] [--prefill-chunk 1024] [--heads 16,32,64,128]
+                [--out results.json]
 
 Without a GPU the defaults are CPU-sized (small sizes, XLA only; `--interpret` adds the Pallas
 kernels in interpret mode, whose rows are marked and get no % of copy).
@@ -10,7 +11,9 @@ Every kernel figure is validated against its reference before it is timed and si
 baselines from the same run (see writer.py and gather.py); `patch` times the current-chunk patch
 (a scatter of `--chunk` re-encoded tokens into a gathered workspace of 4 * `tokens` rows);
 `prefill` times one step of `prefill_layers` per depth on the local devices (host clock around a
-jitted call of several milliseconds, median of 3, after a warm-up call).  `ckv-jax plot` renders
+jitted call of several milliseconds, median of 3, after a warm-up call); `attention` times the
+sparse-MLA attention over native records per implementation and head count against the bf16
+matmul rate (see attention.py).  `ckv-jax plot` renders
 the JSON.
 """
 from __future__ import annotations
@@ -24,16 +27,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from ckv_jax import dcp_step, formats
-from ckv_jax.benchmarks import gather, prefill, report, writer
+from ckv_jax.benchmarks import attention, gather, prefill, report, writer
 from ckv_jax.benchmarks.timing import fastest, measure_copy, measure_in_place, result_fields, torch_copy_timing
 from pallas_kernels import cache_writer
 
 
-OPS = ("writer", "gather", "patch", "prefill")
+OPS = ("writer", "gather", "patch", "prefill", "attention")
 PATTERNS = ("sequential", "random")
 # (GPU default, CPU default) of the options whose sizes only make sense on a GPU
 DEFAULTS = dict(tokens=("65536,262144,1048576", "4096"), chunk=(8192, 512), prefill_chunk=(1024, 128),
-                depths=("0,1,2,3", "0,1"), layers=(8, 2), context=(32768, 2048), repeats=(5, 3))
+                depths=("0,1,2,3", "0,1"), layers=(8, 2), context=(32768, 2048), repeats=(5, 3),
+                heads=("16,32,64,128", "16"), attention_tokens=(4096, 16), attention_rows=(262144, 1024),
+                top_k=(2048, 64))
 
 
 def positive_ints(text):
@@ -174,6 +179,12 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=positive_int, default=default["layers"], help="[prefill] layers")
     ap.add_argument("--context", type=positive_int, default=default["context"],
                     help="[prefill] context tokens of the request")
+    ap.add_argument("--heads", type=positive_ints, default=default["heads"], help="[attention] query heads")
+    ap.add_argument("--attention-tokens", type=positive_int, default=default["attention_tokens"],
+                    help="[attention] query tokens, each with its own top-k")
+    ap.add_argument("--attention-rows", type=positive_int, default=default["attention_rows"],
+                    help="[attention] records the top-k rows are drawn from (a workspace or a flat paged cache)")
+    ap.add_argument("--top-k", type=positive_int, default=default["top_k"], help="[attention] rows per query token")
     ap.add_argument("--repeats", type=positive_int, default=default["repeats"],
                     help="[writer, gather, patch] timed calls per case")
     ap.add_argument("--interpret", action="store_true",
@@ -191,8 +202,9 @@ def main(argv=None) -> int:
     def log(line):                                       # each case as it finishes
         print(line, flush=True)
 
-    units = [(op, t, n) for op in args.ops if op != "prefill" for t in args.tokens for n in names]
+    units = [(op, t, n) for op in args.ops if op not in ("prefill", "attention") for t in args.tokens for n in names]
     units += [("prefill", args.context, names[0])] if "prefill" in args.ops else []
+    units += [("attention", args.attention_tokens, n) for n in names] if "attention" in args.ops else []
     progress = report.Progress(len(units))
     for op, tokens, name in units:
         if op == "writer":
@@ -201,6 +213,8 @@ def main(argv=None) -> int:
             results += gather.run([tokens - tokens % 64], [name], args.repeats, log=log, interpret=args.interpret)
         elif op == "patch":
             results += patch_results([tokens], [name], args.chunk, args.repeats, log, args.interpret)
+        elif op == "attention":
+            results += attention.run(args.heads, [name], tokens, args.top_k, args.attention_rows, log, args.interpret)
         else:
             results += prefill.run(args.depths, name, args.layers, args.context,
                                        min(args.prefill_chunk, args.context), log)
@@ -209,6 +223,8 @@ def main(argv=None) -> int:
             json.dump(dict(meta, results=results), f, indent=1)
     for r in results:
         times = report.timing_text(r) if "gbps" in r else f"{r['us']:.1f} us"
+        if r["op"] == "attention":
+            times += f" {r['tflops']:.3g} TFLOP/s, H={r['heads']}" + (" (interpret mode)" if r.get("mode") else "")
         print(f"{r['op']:<14} {r['format']:<13} {r['tokens']:>8} {r.get('depth', r.get('pattern', '')):<10} "
               f"{r['implementation']:<19} {times} exact={r['exact']}")
     print(f"wrote {len(results)} results to {args.out}")

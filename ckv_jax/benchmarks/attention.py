@@ -1,0 +1,116 @@
+"""`ckv-jax bench --ops attention`: sparse-MLA attention over native records, TFLOP/s per
+implementation against the bf16 matmul rate of the same run.
+
+T query tokens, each with its own top-k of `top_k` distinct random rows of a table of `rows`
+real records (a gathered workspace, or a paged cache viewed flat), all rows valid; FLOPs counted
+as FlashMLA counts them, 2 T H K (576 + 512).  Each implementation's output is checked first
+against the XLA implementation on the first input (errors within 1e-2 of the largest |V|,
+`exact` in the row).  Timed with `timing.measure_pure` (host clock and device timeline) over R
+calls on R different query and index sets.  The ceiling: a bf16 [8192, 8192] x [8192, 8192]
+matmul timed the same way.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ckv_jax import formats
+from ckv_jax.benchmarks.timing import measure_pure
+from pallas_kernels.sparse_mla_attention import SPARSE_MLA_ATTENTION, flops, sparse_mla_attention
+
+REPEATS = 3
+
+
+def matmul_rate(n: int = 8192) -> dict:
+    """bf16 matmul TFLOP/s on the host clock and the device timeline."""
+    keys = jax.random.split(jax.random.key(0), 2 * REPEATS)
+    inputs = [(jax.random.normal(keys[2 * i], (n, n), jnp.bfloat16), jax.random.normal(keys[2 * i + 1], (n, n),
+                                                                                     jnp.bfloat16))
+              for i in range(REPEATS)]
+    timing = measure_pure(lambda a, b: a @ b, inputs)
+    work = 2 * n ** 3
+    return dict(tflops=work / timing.seconds / 1e12,
+                device_tflops=None if timing.device_seconds is None else work / timing.device_seconds / 1e12)
+
+
+def _records(fmt, rows: int, seed: int) -> jax.Array:
+    """u8[rows, R] of real records (finite scales): random latents encoded in pieces and tiled."""
+    piece = min(rows, 65536)
+    key1, key2 = jax.random.split(jax.random.key(seed))
+    kv = (jax.random.normal(key1, (piece, fmt.nope_dim)) * 2).astype(jnp.bfloat16)
+    pe = jax.random.normal(key2, (piece, fmt.rope_dim)).astype(jnp.bfloat16)
+    records = fmt.encode(kv, pe)
+    return jnp.tile(records, (-(-rows // piece), 1))[:rows]
+
+
+def _inputs(tokens: int, heads: int, top_k: int, rows: int, seed: int) -> list[tuple]:
+    out = []
+    for i in range(REPEATS):
+        kq, ki = jax.random.split(jax.random.key(seed * 100 + i))
+        q = (jax.random.normal(kq, (tokens, heads, 576)) * 0.5).astype(jnp.bfloat16)
+        # distinct rows per token: a random start and stride co-prime with nothing in particular,
+        # taken modulo `rows` (collisions only when top_k > rows)
+        start = jax.random.randint(ki, (tokens, 1), 0, rows)
+        indices = ((start + jnp.arange(top_k)[None, :] * 7919) % rows).astype(jnp.int32)
+        out.append((q, indices, jnp.full((tokens,), top_k, jnp.int32)))
+    return out
+
+
+def _checked(got, want) -> bool:
+    out, lse = (np.asarray(a, np.float32) for a in got)
+    ref_out, ref_lse = (np.asarray(a, np.float32) for a in want)
+    scale = np.abs(ref_out).max() + 1e-30
+    return bool(np.abs(out - ref_out).max() <= 1e-2 * scale and np.abs(lse - ref_lse).max() <= 1e-2 * max(
+        1.0, np.abs(ref_lse).max()))
+
+
+def run(heads_list, names, tokens: int, top_k: int, rows: int, log=print, interpret: bool = False) -> list[dict]:
+    """One row per (format, heads, implementation); interpret: off a GPU, also the Pallas kernel in
+    interpret mode (rows marked mode="interpret", without a % of the matmul rate)."""
+    device = jax.devices()[0]
+    ceiling = matmul_rate(8192 if device.platform == "gpu" else 512)
+    log(f"  bf16 matmul: {ceiling['tflops']:.3g} TFLOP/s"
+        + (f" (device {ceiling['device_tflops']:.3g})" if ceiling["device_tflops"] else ""))
+    results = []
+    for name in names:
+        fmt = formats.get(name)
+        records = _records(fmt, rows, seed=len(results))
+        for heads in heads_list:
+            inputs = _inputs(tokens, heads, top_k, rows, seed=heads)
+            work = flops(tokens, heads, top_k, fmt.layout)
+            reference = sparse_mla_attention(inputs[0][0], records, *inputs[0][1:], 576 ** -0.5, layout=fmt.layout,
+                                             implementation="xla")
+            for impl in SPARSE_MLA_ATTENTION.default_order:
+                ok, why = SPARSE_MLA_ATTENTION.implementation(impl).supported_on(device, records.size, False)
+                interpreted = not ok and interpret and impl != "xla"
+                if not ok and not interpreted:
+                    log(f"  attention: skip {impl} ({why})")
+                    continue
+
+                def op(q, indices, counts, impl=impl, interpreted=interpreted):
+                    return sparse_mla_attention(q, records, indices, counts, 576 ** -0.5, layout=fmt.layout,
+                                                implementation=impl, interpret=interpreted)
+
+                checked = _checked(jax.jit(op)(*inputs[0]), reference)
+                timing = measure_pure(op, inputs)
+                row = dict(op="attention", format=name, tokens=tokens, heads=heads, top_k=top_k, rows=rows,
+                           implementation=impl, exact=checked, us=timing.seconds * 1e6, flops=work,
+                           tflops=work / timing.seconds / 1e12, matmul_tflops=ceiling["tflops"])
+                if interpreted:
+                    row["mode"] = "interpret"
+                else:
+                    row["pct_of_matmul"] = 100 * row["tflops"] / ceiling["tflops"]
+                    if timing.device_seconds is not None and ceiling["device_tflops"]:
+                        row.update(device_us=timing.device_seconds * 1e6,
+                                   device_tflops=work / timing.device_seconds / 1e12,
+                                   device_matmul_tflops=ceiling["device_tflops"])
+                        row["device_pct_of_matmul"] = 100 * row["device_tflops"] / ceiling["device_tflops"]
+                results.append(row)
+                log(f"  attention {name} T={tokens} H={heads} K={top_k} {impl}: {row['us']:.1f} us, "
+                    f"{row['tflops']:.3g} TFLOP/s" + (f", device {row['device_tflops']:.3g} TFLOP/s "
+                                                       f"({row['device_pct_of_matmul']:.0f}% of matmul)"
+                                                       if "device_tflops" in row else "")
+                    + f", checked={checked}")
+            del inputs, reference
+    return results

@@ -1,0 +1,59 @@
+"""Sparse-MLA attention over native records: one `KernelOp` (SPARSE_MLA_ATTENTION).
+
+Names: ``"pallas_triton"`` (the kernel that reads and dequantizes the records; GPU, interpret
+mode on CPU for tests) and ``"xla"`` (the reference blocked over query tokens, any backend).
+`implementation=None` takes the measured order for the device and size (`pallas_kernels.tuning`,
+op "sparse_mla_attention"; no device kind has one yet), else DEFAULT_ORDER: XLA first, because on
+the H200 the demo's four-layer prefill through the Pallas kernel differs from its float32
+single-device reference by far more than bf16 products explain (ARCHITECTURE.md), so the kernel
+runs where a caller names it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import selection
+from pallas_kernels.record_layout import RecordLayout
+from pallas_kernels.sparse_mla_attention import pallas_triton
+from pallas_kernels.sparse_mla_attention.pallas_triton import AttentionTiles
+from pallas_kernels.sparse_mla_attention.reference import attention_blocked
+
+DEFAULT_ORDER = ("xla", "pallas_triton")
+
+
+def _run_triton(q, records, indices, counts, sm_scale, *, layout, out_dtype, interpret=False, config=None):
+    return pallas_triton.sparse_mla_attention_triton(q, records, indices, counts, sm_scale, layout=layout,
+                                                     config=config or AttentionTiles(), out_dtype=out_dtype,
+                                                     interpret=interpret)
+
+
+def _run_xla(q, records, indices, counts, sm_scale, *, layout, out_dtype, interpret=False, config=None):
+    out, lse = attention_blocked(q, records, indices, counts, sm_scale, layout=layout)
+    return out.astype(out_dtype), lse
+
+
+SPARSE_MLA_ATTENTION = selection.KernelOp(
+    "sparse_mla_attention",
+    (selection.Implementation("pallas_triton", selection.triton_supported, _run_triton),
+     selection.Implementation("xla", selection.always_supported, _run_xla)),
+    DEFAULT_ORDER, AttentionTiles)
+
+
+def flops(num_tokens: int, num_heads: int, top_k: int, layout: RecordLayout) -> int:
+    """2 T H K (value_dim + nope_dim): the products of the scores and of the values (FlashMLA's count)."""
+    return 2 * num_tokens * num_heads * top_k * (layout.value_dim + layout.nope_dim)
+
+
+def sparse_mla_attention(q, records, indices, counts, sm_scale, *, layout: RecordLayout,
+                         implementation: str | Sequence[str] | None = None, interpret: bool = False,
+                         config: AttentionTiles | None = None, out_dtype=jnp.bfloat16,
+                         device: jax.Device | None = None):
+    """Unchecked entry (`ckv_jax.sparse_mla_attention` checks): (out [T, H, nope_dim] out_dtype,
+    lse f32[T, H]).  device: where it runs (default: the records'; pass it inside jit)."""
+    run = SPARSE_MLA_ATTENTION.select(implementation, device or selection.device_of(records), records.size,
+                                      flops(q.shape[0], q.shape[1], indices.shape[1], layout),
+                                      interpret=interpret, config=config)
+    return run(q, records, indices, counts, sm_scale, layout=layout, out_dtype=out_dtype, interpret=interpret)

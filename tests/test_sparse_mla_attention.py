@@ -1,0 +1,192 @@
+"""Sparse-MLA attention over native records: every implementation against a float64 numpy oracle
+(over the oracle's own record decode), its NaN and hole rules, its checks, its bounded memory."""
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ckv_jax
+import oracle
+from ckv_jax import formats, sparse_mla
+from pallas_kernels import sparse_mla_attention as attention_op
+from pallas_kernels.sparse_mla_attention import AttentionTiles, pallas_triton, reference
+
+NAMES = ["fp8_ds_mla", "nvfp4_ds_mla", "bf16"]
+N = 96                     # records
+K = 37                     # top-k columns: not a multiple of any tile
+
+
+@np.errstate(invalid="ignore", over="ignore")
+def oracle_attention(name, q, records, indices, counts, sm_scale):
+    """float64 (out [T, H, 512], lse [T, H], vmax [T]) of the contract, from `oracle.decode`;
+    vmax: the largest |V| a row averages (its output's scale: a convex combination of V rows)."""
+    kv = oracle.decode(name, np.asarray(records)).astype(np.float64)          # [N, 576]
+    q = np.asarray(q, np.float32).astype(np.float64)
+    t, h, _ = q.shape
+    out, lse, vmax = np.zeros((t, h, 512)), np.full((t, h), -np.inf), np.zeros(t)
+    for i in range(t):
+        sel = [int(r) for r in np.asarray(indices)[i, :int(np.asarray(counts)[i])] if 0 <= r < kv.shape[0]]
+        if not sel:
+            continue
+        keys = kv[sel]                                                          # [k, 576]
+        vmax[i] = np.abs(keys[:, :512]).max()
+        s = sm_scale * q[i] @ keys.T                                            # [h, k]
+        m = s.max(axis=1, keepdims=True)
+        p = np.exp(s - m)
+        out[i] = (p @ keys[:, :512]) / p.sum(axis=1, keepdims=True)
+        lse[i] = np.log(p.sum(axis=1)) + m[:, 0]
+    return out, lse, vmax
+
+
+def make_case(name, t, h, seed, k=K):
+    """Records of random latents, bf16 queries, indices with holes (-1), rows outside [0, N) and
+    duplicates, counts from 0 to K (row 1: 0, row 2: fewer than K)."""
+    rng = np.random.default_rng(seed)
+    fmt = formats.get(name)
+    mag = 10.0 ** rng.uniform(-1, 1, (N, 1))
+    kv = jnp.asarray(rng.standard_normal((N, 512)) * mag, jnp.bfloat16)
+    pe = jnp.asarray(rng.standard_normal((N, 64)), jnp.bfloat16)
+    records = np.array(fmt.encode(kv, pe))
+    q = (rng.standard_normal((t, h, 576)) * 0.5).astype(ml_dtypes.bfloat16)
+    indices = rng.integers(0, N, (t, k)).astype(np.int32)
+    indices[:, 3] = -1                                   # a hole
+    indices[:, 5] = N + 7                                # past the records
+    indices[:, 6] = -9
+    indices[:, 8] = indices[:, 9]                        # a duplicate
+    counts = np.full(t, k, np.int32)
+    counts[1 % t] = 0
+    counts[2 % t] = min(k, 19)
+    return q, records, indices, counts, 1 / math.sqrt(576)
+
+
+def assert_close(name, got, want, what):
+    """bf16 products with float32 accumulation: errors within 1e-2 of the scale of the values a
+    row averages (its largest |V|), lse within 1e-2 (relative above 1)."""
+    out, lse = (np.asarray(a, np.float32) for a in got)
+    want_out, want_lse, vmax = want
+    empty = np.isneginf(want_lse)
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape, what
+    np.testing.assert_array_equal(np.isneginf(lse), empty, err_msg=f"{what}: -inf lse exactly for empty rows")
+    assert (out[empty] == 0).all(), f"{what}: empty rows are zero"
+    err = np.abs(out - want_out) / (vmax[:, None, None] + 1e-30)
+    assert err.max() <= 1e-2, f"{what}: out error {err.max():.2e} of the row's largest |V|"
+    lse_err = np.abs(lse[~empty] - want_lse[~empty]) / np.maximum(1.0, np.abs(want_lse[~empty]))
+    assert lse_err.max(initial=0) <= 1e-2, f"{what}: lse error {lse_err.max():.2e}"
+
+
+@pytest.mark.parametrize("heads", [16, 128, 5])
+@pytest.mark.parametrize("name", NAMES)
+def test_every_implementation_matches_the_oracle(name, heads, implementation):
+    q, records, indices, counts, sm_scale = make_case(name, 3, heads, seed=heads)
+    got = ckv_jax.sparse_mla_attention(jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices),
+                                       jnp.asarray(counts), sm_scale, format=name, **implementation)
+    assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
+    assert_close(name, got, oracle_attention(name, q, records, indices, counts, sm_scale),
+                 f"{name} H={heads} {implementation}")
+
+
+@pytest.mark.parametrize("tiles", [AttentionTiles(16, 16, 4), AttentionTiles(64, 32, 8, 2)])
+def test_kernel_tiles_give_the_same_attention(tiles, kernel_mode):
+    """Heads per program above and below the head count, several K tiles, fp8 records."""
+    name = "fp8_ds_mla"
+    q, records, indices, counts, sm_scale = make_case(name, 2, 48, seed=7, k=70)
+    got = pallas_triton.sparse_mla_attention_triton(
+        jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices), jnp.asarray(counts), sm_scale,
+        layout=formats.get(name).layout, config=tiles, interpret=kernel_mode == "interpret")
+    assert_close(name, got, oracle_attention(name, q, records, indices, counts, sm_scale), str(tiles))
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8_ds_mla"])
+def test_a_nan_reaches_its_row_and_only_its_row(name, implementation):
+    """A NaN in q[t, h] poisons (t, h) only; a NaN in a selected record poisons every head of the
+    rows that select it within their counts; a NaN record behind a hole or past a count does not."""
+    q, records, indices, counts, sm_scale = make_case(name, 4, 16, seed=3)
+    q[0, 2, 7] = np.nan
+    bad = N - 1
+    indices[indices == bad] = 0
+    indices[1, 0] = bad                                   # row 1: count 0, not selected
+    indices[2, 30] = bad                                  # row 2: past its count of 19
+    indices[3, 4] = bad                                   # row 3: selected
+    if name == "bf16":
+        records[bad, :2] = np.array([0x7FC0], np.uint16).view(np.uint8)          # a NaN latent
+    else:
+        records[bad, 512:516] = np.array([np.nan], np.float32).view(np.uint8)    # a NaN tile scale
+    out, lse = (np.asarray(a, np.float32) for a in ckv_jax.sparse_mla_attention(
+        jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices), jnp.asarray(counts), sm_scale, format=name,
+        **implementation))
+    nan_rows = np.isnan(lse)
+    want = np.zeros_like(nan_rows)
+    want[0, 2] = True
+    want[3, :] = True
+    np.testing.assert_array_equal(nan_rows, want)
+    assert np.isnan(out[want]).all() and np.isfinite(out[~want]).all()
+
+
+def test_bad_input_is_named_before_anything_runs():
+    q, records, indices, counts, sm_scale = (jnp.asarray(a) if isinstance(a, np.ndarray) else a
+                                             for a in make_case("fp8_ds_mla", 2, 16, seed=1))
+    call = ckv_jax.sparse_mla_attention
+    with pytest.raises(ValueError, match=r"records: expected uint8\[N, 432\] for format nvfp4_ds_mla"):
+        call(q, records, indices, counts, sm_scale, format="nvfp4_ds_mla")
+    with pytest.raises(ValueError, match=r"q: expected \[T, H, 576\]"):
+        call(q[..., :512], records, indices, counts, sm_scale, format="fp8_ds_mla")
+    with pytest.raises(TypeError, match=r"indices: expected int32\[2, K\]"):
+        call(q, records, indices.astype(jnp.int16), counts, sm_scale, format="fp8_ds_mla")
+    with pytest.raises(ValueError, match=r"counts: expected int32\[2\]"):
+        call(q, records, indices, counts[:1], sm_scale, format="fp8_ds_mla")
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="sm_scale: expected a positive finite number"):
+            call(q, records, indices, counts, bad, format="fp8_ds_mla")
+    with pytest.raises(ValueError, match=r"implementation: expected one of \['pallas_triton', 'xla'\]"):
+        call(q, records, indices, counts, sm_scale, format="fp8_ds_mla", implementation="flashmla")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_kernel_lowers_for_cuda(name):
+    layout = formats.get(name).layout
+    sds = jax.ShapeDtypeStruct
+
+    def f(q, records, indices, counts):
+        return pallas_triton.sparse_mla_attention_triton(q, records, indices, counts, 0.04, layout=layout)
+
+    text = jax.jit(f).trace(sds((64, 64, 576), jnp.bfloat16), sds((4096, layout.record_bytes), jnp.uint8),
+                            sds((64, 2048), jnp.int32), sds((64,), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call") == 1 and f"ckv_sparse_mla_attention_{layout.kind}" in text
+
+
+def test_the_xla_implementation_bounds_its_temporaries():
+    """T = 4,096 query tokens, 16 heads, top-k 2,048 over a 256K-row fp8 workspace: the blocked
+    reference compiles to at most 4 GiB of temporaries (the unblocked one needs about 52 GiB)."""
+    layout = formats.get("fp8_ds_mla").layout
+    sds = jax.ShapeDtypeStruct
+    args = (sds((4096, 16, 576), jnp.bfloat16), sds((262144, 656), jnp.uint8), sds((4096, 2048), jnp.int32),
+            sds((4096,), jnp.int32))
+    compiled = jax.jit(lambda q, r, i, c: reference.attention_blocked(q, r, i, c, 0.04, layout=layout)).lower(
+        *args).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= 4 * 2 ** 30, f"{temp / 2 ** 30:.1f} GiB of temporaries"
+
+
+def test_the_automatic_choice_is_xla_until_a_measured_table_says_otherwise():
+    device = jax.devices()[0]
+    op = attention_op.SPARSE_MLA_ATTENTION
+    assert op.select(None, device, 1 << 20, 1 << 30).name == "xla"
+    assert op.select("pallas_triton", device, 1 << 20, 1 << 30, interpret=True).name == "pallas_triton"
+    assert set(sparse_mla.IMPLEMENTATIONS) == {"pallas_triton", "xla"}
+
+
+def test_full_ckv_attention_runs_the_kernel(kernel_mode):
+    """The full-CKV path with the Pallas kernel (each rank its heads) against the oracle: two CPU
+    ranks interpreted, every GPU compiled."""
+    from helpers import mesh_of
+    name = "nvfp4_ds_mla"
+    q, records, indices, counts, sm_scale = make_case(name, 3, 32, seed=5)
+    ranks = 2 if kernel_mode == "interpret" else len(jax.devices())
+    got = sparse_mla.full_ckv_attention(jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices),
+                                        jnp.asarray(counts), sm_scale, format=name, mesh=mesh_of(ranks),
+                                        implementation="pallas_triton", interpret=kernel_mode == "interpret")
+    assert_close(name, got, oracle_attention(name, q, records, indices, counts, sm_scale), "full_ckv_attention")
