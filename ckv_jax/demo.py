@@ -32,8 +32,10 @@ def _blocks_per_rank(context: int, dcp: int, block_size: int) -> int:
     return -(-(-(-context // dcp)) // block_size) + 1
 
 
-def reference_step(model, fmt, x, records, plan, topks):
-    """One device, no DCP: every layer attends all heads over its records in global token order.
+def reference_step(model, fmt, x, records, plan, topks, implementation="xla", interpret=False):
+    """One device, no DCP: every layer attends all heads over its records in global token order,
+    with the attention implementation the DCP path runs (a different one would differ by a bf16
+    step in places, which this small random model amplifies through its layers).
 
     records: per layer, per request u8[len, R] (history); the chunk's records are appended here.
     """
@@ -55,9 +57,9 @@ def reference_step(model, fmt, x, records, plan, topks):
         rows = np.where(keep, offsets[plan.req_id_per_token][:, None] + topk, -1)
         order = np.argsort(~keep, axis=1, kind="stable")           # kept entries first, in order
         rows = np.take_along_axis(rows, order, axis=1).astype(np.int32)
-        out, _ = sparse_mla.sparse_mla_reference(q, jnp.asarray(flat), jnp.asarray(rows),
+        out, _ = sparse_mla.sparse_mla_attention(q, jnp.asarray(flat), jnp.asarray(rows),
                                                  jnp.asarray(keep.sum(1).astype(np.int32)), model.sm_scale,
-                                                 format=fmt.name)
+                                                 format=fmt.name, implementation=implementation, interpret=interpret)
         x = x + out.reshape(x.shape[0], -1).astype(jnp.float32) @ p["w_o"]
     return x
 
@@ -86,7 +88,8 @@ def run(args) -> int:
     layout = DcpLayout(dcp, args.interleave, args.block_size)
     rng = np.random.default_rng(args.seed)
     model = make_model(args.layers, args.heads, args.d_model, rng)
-    layer = mla_layer(model, fmt, dcp, placement.DCP_AXIS)
+    interpret = args.attention == "pallas_triton" and jax.default_backend() != "gpu"
+    layer = mla_layer(model, fmt, dcp, placement.DCP_AXIS, implementation=args.attention, interpret=interpret)
 
     reqs = args.requests
     prefix = args.context // 4
@@ -140,7 +143,7 @@ def run(args) -> int:
             x_out = np.asarray(jax.block_until_ready(x_out))
             outs[depth] = (x_out, new_caches, time.perf_counter() - start)
         caches = outs[args.depth][1]
-        ref = np.asarray(reference_step(model, fmt, x, records, plan, topks))
+        ref = np.asarray(reference_step(model, fmt, x, records, plan, topks, args.attention, interpret))
         same = np.array_equal(outs[0][0], outs[args.depth][0])
         scale = np.abs(ref - np.asarray(x)).max()
         err = np.abs(outs[args.depth][0] - ref).max()
@@ -213,6 +216,9 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=8, help="query heads (divisible by --dcp)")
     ap.add_argument("--d-model", type=int, default=64, help="model width")
     ap.add_argument("--topk", type=int, default=64, help="indexer top-k per query token")
+    ap.add_argument("--attention", choices=("xla", "pallas_triton"), default="xla",
+                    help="sparse-MLA attention implementation of both paths (pallas_triton runs in interpret mode "
+                         "without a GPU)")
     ap.add_argument("--block-size", type=int, default=64, help="tokens per paged-cache block")
     ap.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and top-k")
     args = ap.parse_args(argv)

@@ -27,8 +27,9 @@ def make_model(layers, heads, d_model, rng):
     return Model(params, heads, d_model, 576 ** -0.5)
 
 
-def mla_layer(model, fmt, dcp, axis):
-    """The layer as one DCP rank sees it: its own heads, all-gathered before the output projection."""
+def mla_layer(model, fmt, dcp, axis, *, implementation=None, interpret: bool = False):
+    """The layer as one DCP rank sees it: its own heads, all-gathered before the output projection.
+    implementation, interpret: its attention's (`sparse_mla.attend`)."""
     local = model.heads // dcp
 
     def project(p, x):
@@ -37,8 +38,9 @@ def mla_layer(model, fmt, dcp, axis):
         kv = x @ p["w_kv"]
         return q.astype(jnp.bfloat16), kv[:, :512].astype(jnp.bfloat16), kv[:, 512:].astype(jnp.bfloat16)
 
-    def attend(q, workspace, indices, counts):           # the implementation `attend` selects
-        out, _ = sparse_mla.attend(q, workspace, indices, counts, model.sm_scale, fmt.layout, out_dtype=jnp.bfloat16)
+    def attend(q, workspace, indices, counts):
+        out, _ = sparse_mla.attend(q, workspace, indices, counts, model.sm_scale, fmt.layout, out_dtype=jnp.bfloat16,
+                                   implementation=implementation, interpret=interpret)
         return out
 
     def finish(p, x, out):

@@ -15,10 +15,12 @@ def _run(*args, timeout=300):
                           timeout=timeout, env=env)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "nvfp4_ds_mla"])
-def test_demo_runs_a_dcp_prefill_and_checks_it(fmt):
+@pytest.mark.parametrize("fmt, attention", [("fp8_ds_mla", "xla"), ("nvfp4_ds_mla", "xla"),
+                                             ("fp8_ds_mla", "pallas_triton")])
+def test_demo_runs_a_dcp_prefill_and_checks_it(fmt, attention):
     proc = _run("demo", "--format", fmt, "--dcp", "2", "--depth", "1", "--layers", "2", "--context", "96",
-                "--chunk", "32", "--requests", "1", "--heads", "2", "--topk", "16", "--block-size", "16")
+                "--chunk", "32", "--requests", "1", "--heads", "2", "--topk", "16", "--block-size", "16",
+                "--attention", attention)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "DCP 2 on cpu, depth 1" in proc.stdout
     assert "2 layers x 3 steps: all steps match" in proc.stdout
@@ -71,7 +73,7 @@ def test_version_and_helps_document_every_option():
     assert proc.returncode == 0 and proc.stdout.strip() == f"ckv-jax {__version__}"
     for command, options in [("demo", ["--format", "--dcp", "--interleave", "--depth", "--layers", "--context",
                                        "--chunk", "--requests", "--heads", "--d-model", "--topk", "--block-size",
-                                       "--seed"]),
+                                       "--attention", "--seed"]),
                              ("bench", ["--ops", "--tokens", "--formats", "--patterns", "--chunk", "--prefill-chunk",
                                         "--depths", "--layers", "--context", "--heads", "--attention-tokens",
                                         "--attention-rows", "--top-k", "--repeats", "--interpret", "--out"]),

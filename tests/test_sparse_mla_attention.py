@@ -88,6 +88,19 @@ def test_every_implementation_matches_the_oracle(name, heads, implementation):
                  f"{name} H={heads} {implementation}")
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_large_scores_keep_their_precision(name, implementation):
+    """Scores in the tens (an lse near 80): every record value must reach the products exactly,
+    or the softmax turns a bf16 rounding of 2**-9 into errors of several percent."""
+    q, records, indices, counts, sm_scale = make_case(name, 3, 16, seed=11)
+    q = (q.astype(np.float32) * 16).astype(ml_dtypes.bfloat16)
+    want = oracle_attention(name, q, records, indices, counts, sm_scale)
+    assert np.abs(want[1][np.isfinite(want[1])]).max() > 40, "the case must reach large scores"
+    got = ckv_jax.sparse_mla_attention(jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices),
+                                       jnp.asarray(counts), sm_scale, format=name, **implementation)
+    assert_close(name, got, want, f"{name} large scores {implementation}")
+
+
 @pytest.mark.parametrize("tiles", [AttentionTiles(16, 16, 4), AttentionTiles(64, 32, 8, 2)])
 def test_kernel_tiles_give_the_same_attention(tiles, kernel_mode):
     """Heads per program above and below the head count, several K tiles, fp8 records."""

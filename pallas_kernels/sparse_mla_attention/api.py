@@ -3,10 +3,9 @@
 Names: ``"pallas_triton"`` (the kernel that reads and dequantizes the records; GPU, interpret
 mode on CPU for tests) and ``"xla"`` (the reference blocked over query tokens, any backend).
 `implementation=None` takes the measured order for the device and size (`pallas_kernels.tuning`,
-op "sparse_mla_attention"; no device kind has one yet), else DEFAULT_ORDER: XLA first, because on
-the H200 the demo's four-layer prefill through the Pallas kernel differs from its float32
-single-device reference by far more than bf16 products explain (ARCHITECTURE.md), so the kernel
-runs where a caller names it.
+op "sparse_mla_attention"; no device kind has one yet), else DEFAULT_ORDER: XLA first.  The
+kernel runs where a caller names it until the GPU has measured its current form (its fp8 tiles
+keep their values exact since it last ran there; BENCHMARKS.md, seventh session).
 """
 from __future__ import annotations
 

@@ -5,9 +5,15 @@ token t.  All heads of a token share its top-k rows, so the heads are the MMA's 
 tile of `block_k` indices the program gathers those rows' records (one masked 2-D load per
 segment, rows of holes masked to zeros), dequantizes them to bf16 (fp8: e4m3 times the float32
 tile scale; nvfp4: e2m1 times the e4m3 group scale, kept as its even and odd elements; bf16: as
-is), computes the scores of the NoPE and RoPE parts with two (nvfp4: three) bf16 MMAs with
-float32 accumulation, and folds them into an online softmax whose values V are the tile's
-NoPE part.  The loop stops after the token's `counts[t]` columns.
+is), computes the scores of the NoPE and RoPE parts with bf16 MMAs with float32 accumulation,
+and folds them into an online softmax whose values V are the tile's NoPE part.  The loop stops
+after the token's `counts[t]` columns.
+
+Every record value reaches the MMAs exactly: bf16 and nvfp4 values are bf16 numbers, and fp8's
+are kept as their e4m3 values (exact in bf16) with the float32 tile scale applied to the products
+(the scores of each 128-element tile, and the softmax weights of its values).  Rounding the
+dequantized fp8 values to bf16 instead costs about 2**-9 of each score, which the softmax turns
+into errors of several percent once scores reach tens.
 
 nvfp4 keeps each record's NoPE as its even and odd elements (no interleaving in the kernel): the
 queries come in split the same way (q[..., 0::2] then q[..., 1::2]) and the output leaves in
@@ -52,36 +58,61 @@ def _scalar(ref, index):
     return jnp.sum(compat.pltriton.load(ref.at[pl.ds(index, 1)]))
 
 
-def _dequantized_tile(rec_ref, rows, valid, layout: RecordLayout):
-    """(nope parts, rope): the records at rows [BK, 1] as bf16, holes (valid False) as zeros.
-    nope parts: (bf16[BK, nope_dim],) or, for nvfp4, (even, odd) bf16[BK, nope_dim / 2]."""
+def nope_parts(layout: RecordLayout) -> int:
+    """How many column parts the kernel keeps a record's NoPE in: fp8 one per scale tile (its
+    e4m3 values are exact in bf16 and the float32 tile scale is applied to the products), nvfp4
+    its even and odd elements, bf16 one."""
+    if layout.kind == "fp8_tiles":
+        return layout.num_blocks
+    return 2 if layout.kind == "nvfp4_groups" else 1
+
+
+def _dequantized_tile(rec_ref, rows, valid, rows_t, valid_t, layout: RecordLayout):
+    """(parts, rope) of the records at rows [BK, 1] (the same rows as rows_t [1, BK]), holes
+    (valid False) as zeros.  parts: one (bf16[BK, width] values, f32[1, BK] per-row factor or
+    None) per NoPE part (`nope_parts`), exactly the record's values once multiplied by the factor;
+    rope: bf16[BK, rope_dim]."""
     block_k = rows.shape[0]
-    seg = {}
-    for s in layout.segments:
-        if s.name == "pad":
-            continue
-        cols = s.offset + lax.broadcasted_iota(jnp.int32, (1, s.width), 1)
-        seg[s.name] = compat.pltriton.load(rec_ref.at[rows, cols], mask=jnp.broadcast_to(valid, (block_k, s.width)),
-                                           other=0)
-    rope = float_codes.le_words(seg["rope_bf16"], jnp.bfloat16)
+
+    def load(offset, width):
+        cols = offset + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+        return compat.pltriton.load(rec_ref.at[rows, cols], mask=jnp.broadcast_to(valid, (block_k, width)), other=0)
+
+    rope_seg = layout.segment("rope_bf16")
+    rope = float_codes.le_words(load(rope_seg.offset, rope_seg.width), jnp.bfloat16)
+    if layout.kind == "bf16":
+        nope = layout.segment("nope_bf16")
+        return [(float_codes.le_words(load(nope.offset, nope.width), jnp.bfloat16), None)], rope
     if layout.kind == "nvfp4_groups":
-        even, odd = record_codec.decode_nvfp4_pairs(layout, seg["nope_e2m1"], seg["group_scales_e4m3"])
-        return (even.astype(jnp.bfloat16), odd.astype(jnp.bfloat16)), rope    # exact: see decode_nvfp4_pairs
-    names = [s.name for s in layout.segments]
-    nope, _ = record_codec.decode_segments(layout, [seg.get(n) for n in names])
-    return (nope.astype(jnp.bfloat16),), rope
+        packed, scales = layout.segment("nope_e2m1"), layout.segment("group_scales_e4m3")
+        even, odd = record_codec.decode_nvfp4_pairs(layout, load(packed.offset, packed.width),
+                                                    load(scales.offset, scales.width))
+        return [(even.astype(jnp.bfloat16), None), (odd.astype(jnp.bfloat16), None)], rope   # exact
+    # fp8: e4m3 tile values (exact in bf16) and each row's float32 tile scale, read as [1, BK]
+    values, scales = layout.segment("nope_e4m3"), layout.segment("tile_scales_f32")
+    byte = lax.broadcasted_iota(jnp.int32, (4, 1), 0)
+    parts = []
+    for tile in range(layout.num_blocks):
+        e4m3 = load(values.offset + tile * layout.quant_block, layout.quant_block)
+        k = lax.bitcast_convert_type(e4m3, jnp.float8_e4m3fn).astype(jnp.float32).astype(jnp.bfloat16)
+        scale_bytes = compat.pltriton.load(rec_ref.at[rows_t, scales.offset + 4 * tile + byte],
+                                           mask=jnp.broadcast_to(valid_t, (4, block_k)), other=0)
+        bits = jnp.sum(scale_bytes.astype(jnp.uint32) << (8 * byte).astype(jnp.uint32), axis=0, keepdims=True)
+        parts.append((k, lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)))
+    return parts, rope
 
 
 def _attention_kernel(idx_ref, count_ref, scale_ref, q_nope_ref, q_rope_ref, rec_ref, out_ref, lse_ref, *,
                       layout: RecordLayout, num_heads: int, top_k: int, block_h: int, block_k: int):
     # idx_ref: i32[T * K] (K a multiple of block_k); count_ref: i32[T]; scale_ref: f32[1]
     # q_nope_ref: bf16[T * num_heads, nope_dim] (nvfp4: even elements, then odd); q_rope_ref: bf16[T * num_heads, 64]
+    # (a query's NoPE is used in `nope_parts` column parts, each against its part of the records)
     # rec_ref: u8[N, R]; out_ref: [T * num_heads, nope_dim] (nvfp4: even, then odd); lse_ref: f32[T * num_heads]
     t, hb = pl.program_id(0), pl.program_id(1)
     num_records = rec_ref.shape[0]
     nope_dim = layout.nope_dim
     head_rows = t * num_heads + hb * block_h + lax.broadcasted_iota(jnp.int32, (block_h, 1), 0)
-    parts = 2 if layout.kind == "nvfp4_groups" else 1
+    parts = nope_parts(layout)
     width = nope_dim // parts
     q_parts = [compat.pltriton.load(q_nope_ref.at[head_rows, p * width + lax.broadcasted_iota(jnp.int32, (1, width), 1)])
                for p in range(parts)]                  # loaded apart: Triton has no value slicing
@@ -98,10 +129,12 @@ def _attention_kernel(idx_ref, count_ref, scale_ref, q_nope_ref, q_rope_ref, rec
         idx_row = compat.pltriton.load(idx_ref.at[k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)])
         valid_col = (col_pos < count) & (idx_col >= 0) & (idx_col < num_records)
         valid_row = (row_pos < count) & (idx_row >= 0) & (idx_row < num_records)
-        k_parts, k_rope = _dequantized_tile(rec_ref, jnp.where(valid_col, idx_col, 0), valid_col, layout)
+        k_parts, k_rope = _dequantized_tile(rec_ref, jnp.where(valid_col, idx_col, 0), valid_col,
+                                            jnp.where(valid_row, idx_row, 0), valid_row, layout)
         s = _dot(q_rope, k_rope, trans_b=True)
-        for qp, kp in zip(q_parts, k_parts):
-            s += _dot(qp, kp, trans_b=True)
+        for qp, (kp, factor) in zip(q_parts, k_parts):
+            part = _dot(qp, kp, trans_b=True)
+            s += part if factor is None else part * factor
         s = jnp.where(valid_row, s * scale, -jnp.inf)                      # f32[block_h, block_k]
         nan_seen = jnp.maximum(nan_seen, jnp.max(jnp.where(jnp.isnan(s) & valid_row, 1, 0), axis=1))
         seen = seen + jnp.sum(valid_row.astype(jnp.int32))
@@ -111,7 +144,9 @@ def _attention_kernel(idx_ref, count_ref, scale_ref, q_nope_ref, q_rope_ref, rec
         p = jnp.exp(s - m_use[:, None])
         l_new = l_prev * correction + jnp.sum(p, axis=1)
         p16 = p.astype(jnp.bfloat16)
-        accs = tuple(acc * correction[:, None] + _dot(p16, kp) for acc, kp in zip(accs, k_parts))
+        accs = tuple(acc * correction[:, None]
+                     + _dot(p16 if factor is None else (p * factor).astype(jnp.bfloat16), kp)
+                     for acc, (kp, factor) in zip(accs, k_parts))
         return accs, m_new, l_new, nan_seen, seen
 
     init = (tuple(jnp.zeros((block_h, width), jnp.float32) for _ in range(parts)),
