@@ -3,9 +3,9 @@
 Grid (T, H / block_h): program (t, b) holds heads [b * block_h, (b + 1) * block_h) of query
 token t.  All heads of a token share its top-k rows, so the heads are the MMA's M dimension: per
 tile of `block_k` indices the program gathers those rows' records (one masked 2-D load per
-segment, rows of holes masked to zeros), dequantizes them to bf16 (fp8: e4m3 times the float32
-tile scale; nvfp4: e2m1 times the e4m3 group scale, kept as its even and odd elements; bf16: as
-is), computes the scores of the NoPE and RoPE parts with bf16 MMAs with float32 accumulation,
+segment, rows of holes masked to zeros), dequantizes them to bf16 (fp8: the e4m3 values, their
+float32 tile scales read per row; nvfp4: e2m1 times the e4m3 group scale, kept as its even and
+odd elements; bf16: as is), computes the scores of the NoPE and RoPE parts with bf16 MMAs with float32 accumulation,
 and folds them into an online softmax whose values V are the tile's NoPE part.  The loop stops
 after the token's `counts[t]` columns.
 
