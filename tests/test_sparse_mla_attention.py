@@ -203,3 +203,37 @@ def test_full_ckv_attention_runs_the_kernel(kernel_mode):
                                         jnp.asarray(counts), sm_scale, format=name, mesh=mesh_of(ranks),
                                         implementation="pallas_triton", interpret=kernel_mode == "interpret")
     assert_close(name, got, oracle_attention(name, q, records, indices, counts, sm_scale), "full_ckv_attention")
+
+
+@pytest.mark.parametrize("d", [1, 2, 4])
+def test_the_kernel_on_the_full_ckv_path_equals_it_on_global_order_records(d, kernel_mode):
+    """Full-CKV (each rank its heads over the gathered workspace) and one device over the same
+    records in global token order give the same bits: same records, same columns in the same
+    order, and a head's result does not depend on the others of its program.  Large scores."""
+    import dcp_scenario
+    from ckv_jax import full_ckv, placement
+    from helpers import mesh_of
+    if kernel_mode == "compiled" and d > len(jax.devices()):
+        pytest.skip(f"needs {d} GPUs")
+    name = "fp8_ds_mla"
+    sc = dcp_scenario.build(d, 1, name, [45, 23, 70], [12, 23, 9], seed=7 + d)
+    plan, mesh = sc.plan, mesh_of(d)
+    rng = np.random.default_rng(d)
+    q = jnp.asarray(rng.standard_normal((plan.num_tokens, 4, 576)) * 4, jnp.bfloat16)
+    pos = plan.positions()
+    topk = np.full((plan.num_tokens, 24), -1, np.int32)
+    for t, p in enumerate(pos):
+        n = min(24, p + 1)
+        topk[t, :n] = rng.choice(p + 1, size=n, replace=False)
+    ws = full_ckv.all_gather_ckv(placement.place_caches(sc.caches, mesh), jnp.asarray(sc.block_table), plan,
+                                 mesh=mesh, format=name)
+    idx, cnt = full_ckv.remap_topk(jnp.asarray(topk), plan)
+    kernel = dict(implementation="pallas_triton", interpret=kernel_mode == "interpret")
+    full = sparse_mla.full_ckv_attention(q, ws, idx, cnt, 576 ** -0.5, format=name, mesh=mesh, **kernel)
+    starts = np.concatenate([[0], np.cumsum(plan.seq_lens)])[plan.req_id_per_token]
+    rows = np.where(topk >= 0, starts[:, None] + topk, -1).astype(np.int32)
+    one = ckv_jax.sparse_mla_attention(q, jnp.asarray(dcp_scenario.global_records(sc)), jnp.asarray(rows),
+                                       jnp.asarray((topk >= 0).sum(1).astype(np.int32)), 576 ** -0.5, format=name,
+                                       **kernel)
+    for got, want, what in zip(full, one, ("out", "lse")):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=what)
