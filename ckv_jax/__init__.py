@@ -14,6 +14,6 @@ __version__ = "0.1.0"
 
 __all__ = ["DCP_AXIS", "DcpLayout", "RecordFormat", "StepArrays", "StepPlan", "all_gather_ckv", "build_step_plan",
            "dcp_mesh", "empty_cache", "formats", "full_ckv_attention", "gather_workspace_in_shard_map",
-           "patch_current_chunk", "place_caches", "read_records", "remap_topk", "sparse_mla_attention", "sparse_mla_reference",
-           "step_arrays",
+           "patch_current_chunk", "place_caches", "read_records", "remap_topk", "sparse_mla_attention",
+           "sparse_mla_reference", "step_arrays",
            "stock_dcp_attention", "workspace_to_global_order", "write_records", "write_records_dcp", "__version__"]

@@ -79,7 +79,7 @@ class WorkspacePool:
 
     def check_writable(self, lane: int, index: int):
         """Raise if slot `index` of `lane` must not be overwritten now.  JAX-owned slots need no
-        check before: a slot still referenced cannot be donated (`_check_reused` after)."""
+        check before: a slot still referenced cannot be donated (`_into_slot` raises after)."""
 
     def acquire(self) -> int:
         if not self._free:
@@ -113,8 +113,9 @@ class LaneState:
 class PrefetchOrchestrator:
     """Depth-N prefetch for per-layer callers; see the module docstring."""
 
-    def __init__(self, mesh: jax.sharding.Mesh, layout: DcpLayout, format: str | formats.RecordFormat, *, max_num_seqs: int,
-                 config: GatherConfig = GatherConfig(), ubatches: int = 1, speculative: bool = False,
+    def __init__(self, mesh: jax.sharding.Mesh, layout: DcpLayout, format: str | formats.RecordFormat, *,
+                 max_num_seqs: int, config: GatherConfig = GatherConfig(), ubatches: int = 1,
+                 speculative: bool = False,
                  axis_name: str = placement.DCP_AXIS, implementation=None, interpret: bool = False,
                  pool_type: type[WorkspacePool] = WorkspacePool, pool_args: dict | None = None,
                  prefetch_programs: int | None = None):
@@ -240,16 +241,11 @@ class PrefetchOrchestrator:
             state.caches.append(None)
         state.caches[layer] = cache
         if layer in state.pending:
-            index = state.pending.pop(layer)
-            ring = self.pool.ring(state.lane)
             dcp_step.check_chunk(self.fmt, kv_c, k_pe, plan)
-            slot = ring[index]
-            ring[index] = _donating(index, lambda: dcp_step.patch_program(
+            ws, how = self._into_slot(state, state.pending.pop(layer), lambda slot: dcp_step.patch_program(
                 slot, kv_c, k_pe, self._arrays.chunk_rows, after, layout=self.fmt.layout,
                 implementation=self.implementation, interpret=self.interpret,
-                device=placement.mesh_device(self.mesh)))
-            _check_reused(slot, index)
-            ws, how = ring[index], "prefetched"
+                device=placement.mesh_device(self.mesh))), "prefetched"
         else:
             ws, how = self._gather_into(state, layer % self.slots, cache, after), "sync"
         if ready is not None:
@@ -262,38 +258,32 @@ class PrefetchOrchestrator:
         return ws
 
     def _gather_into(self, state: LaneState, index: int, cache, after, tiles=None):
-        ring = self.pool.ring(state.lane)
         dcp_step.check_caches(self.fmt, cache, self._plan)   # the table was checked at begin_step
         self.pool.check_writable(state.lane, index)
-        slot = ring[index]
-        ring[index] = _donating(index, lambda: dcp_step.gather_program(
+        return self._into_slot(state, index, lambda slot: dcp_step.gather_program(
             cache, self._arrays, slot, after, mesh=self.mesh, axis_name=self.axis_name,
             implementation=self.implementation, interpret=self.interpret, tiles=tiles))
-        _check_reused(slot, index)
+
+    def _into_slot(self, state: LaneState, index: int, program: Callable[[jax.Array], jax.Array]) -> jax.Array:
+        """Ring slot `index` replaced by program(slot), which donates the slot.  A slot something
+        else still references (a torch view of a workspace returned earlier) cannot be donated:
+        XLA on a GPU refuses the call, XLA on a CPU silently allocates a new buffer instead; the
+        pool never grows, so either is the slot's error."""
+        ring = self.pool.ring(state.lane)
+        slot = ring[index]
+        try:
+            ring[index] = program(slot)
+        except (jax.errors.JaxRuntimeError, ValueError) as e:     # jax 0.11 raises INVALID_ARGUMENT as ValueError
+            if "external reference" not in str(e):
+                raise
+            raise slot_still_referenced(index) from e
+        if not slot.is_deleted():
+            raise slot_still_referenced(index)
         return ring[index]
 
 
-def _still_referenced(index: int) -> RuntimeError:
+def slot_still_referenced(index: int) -> RuntimeError:
+    """The error of a ring slot about to be reused while a workspace returned from it lives on."""
     return RuntimeError(f"CKV workspace ring slot {index} is still referenced (a workspace returned by an "
-                        "earlier gather is alive outside ckv-jax); drop it before its slot is reused")
-
-
-def _check_reused(slot, index: int):
-    """A ring slot is donated to its next use.  One that something else still references (a torch
-    view of a workspace returned earlier) cannot be: XLA on a CPU silently allocates a new buffer
-    instead (caught here, after the call), on a GPU it refuses the call (`_donating`); the pool
-    never grows, so either is this error."""
-    if not slot.is_deleted():
-        raise _still_referenced(index)
-
-
-def _donating(index: int, call):
-    """call(), which donates ring slot `index`; XLA's refusal to donate a buffer that a DLPack
-    export still references becomes the slot's error."""
-    try:
-        return call()
-    except (jax.errors.JaxRuntimeError, ValueError) as e:     # jax 0.11 raises INVALID_ARGUMENT as ValueError
-        if "external reference" not in str(e):
-            raise
-        raise _still_referenced(index) from e
-
+                        "earlier gather, or a view of it, is alive outside ckv-jax); drop it before its slot "
+                        "is reused")

@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ckv_jax import formats, full_ckv, placement
 from ckv_jax.dcp_layout import DcpLayout
-from ckv_jax.prefetch import PrefetchOrchestrator, WorkspacePool
+from ckv_jax.prefetch import PrefetchOrchestrator, WorkspacePool, slot_still_referenced
 from ckv_jax.prefetch_config import GatherConfig
 from ckv_jax.step_plan import build_step_plan
 from interop import bridge, stream_handoff
@@ -80,8 +80,7 @@ class TorchWorkspacePool(WorkspacePool):
     def check_writable(self, lane: int, index: int):
         t = self._tensors[lane][index]
         if stream_handoff.storage_use_count(t) > self._own_refs[t.data_ptr()]:
-            raise RuntimeError(f"CKV workspace ring slot {index} is still referenced (a workspace returned by an "
-                               "earlier gather, or a view of it, is alive); drop it before its slot is reused")
+            raise slot_still_referenced(index)
 
     def tensor_of(self, workspace: jax.Array) -> torch.Tensor:
         pointer = workspace.addressable_data(0).unsafe_buffer_pointer()

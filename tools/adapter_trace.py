@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     work = bench.Workload(args.history, args.chunk, args.layers)
     sleep = bench.compute_kernels(args.sleep_ms)["sleep"]
     panels, listing = {}, {}
-    side = bench.torch_stream(args.stream) if hasattr(bench, "torch_stream") else torch.cuda.Stream()
+    side = bench.torch_stream(args.stream)
     for depth in [int(d) for d in args.depths.split(",")]:
         adapter = work.adapter(depth) if args.prefetch_programs is None else work.adapter(depth, args.prefetch_programs)
         with torch.cuda.stream(side):

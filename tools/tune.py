@@ -262,9 +262,9 @@ def sweep_attention(names, log, results):
     t, k, rows = ATTENTION_SHAPE["tokens"], ATTENTION_SHAPE["top_k"], ATTENTION_SHAPE["rows"]
     for name in names:
         fmt = formats.get(name)
-        records = bench._records(fmt, rows, seed=1)
+        records = bench.record_table(fmt, rows, seed=1)
         for heads in ATTENTION_HEADS:
-            inputs = bench._inputs(t, heads, k, rows, seed=heads)
+            inputs = bench.query_sets(t, heads, k, rows, seed=heads)
             work = sparse_mla_attention.flops(t, heads, k, fmt.layout)
             reference = sparse_mla_attention.attention_blocked(inputs[0][0], records, *inputs[0][1:], 576 ** -0.5,
                                                                layout=fmt.layout)
@@ -272,7 +272,7 @@ def sweep_attention(names, log, results):
                 def op(q, indices, counts, cfg=cfg):
                     return sparse_mla_attention.sparse_mla_attention_triton(q, records, indices, counts, 576 ** -0.5,
                                                                             layout=fmt.layout, config=cfg)
-                exact = bench._checked(jax.jit(op)(*inputs[0]), reference)
+                exact = bench.agrees(jax.jit(op)(*inputs[0]), reference)
                 timing = measure_pure(op, inputs)
                 row = dict(op="sparse_mla_attention", format=name, size=work, implementation="pallas_triton",
                            config=dataclasses.asdict(cfg), bytes_moved=work, exact=exact, us=timing.seconds * 1e6,

@@ -4,9 +4,9 @@ implementation against the bf16 matmul rate of the same run.
 T query tokens, each with its own top-k of `top_k` distinct random rows of a table of `rows`
 real records (a gathered workspace, or a paged cache viewed flat), all rows valid; FLOPs counted
 as FlashMLA counts them, 2 T H K (576 + 512).  Each implementation's output is checked first
-against the XLA implementation on the first input (errors within 1e-2 of the largest |V|,
-`exact` in the row).  Timed with `timing.measure_pure` (host clock and device timeline) over R
-calls on R different query and index sets.  The ceiling: a bf16 [8192, 8192] x [8192, 8192]
+against the XLA implementation on the first input (`agrees`; `exact` in the row).  Timed with
+`timing.measure_pure` (host clock and device timeline) over R calls on R different query and
+index sets.  The ceiling: a bf16 [8192, 8192] x [8192, 8192]
 matmul timed the same way.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ckv_jax import formats
+from ckv_jax.benchmarks import report
 from ckv_jax.benchmarks.timing import measure_pure
 from pallas_kernels.sparse_mla_attention import SPARSE_MLA_ATTENTION, flops, sparse_mla_attention
 
@@ -34,7 +35,7 @@ def matmul_rate(n: int = 8192) -> dict:
                 device_tflops=None if timing.device_seconds is None else work / timing.device_seconds / 1e12)
 
 
-def _records(fmt, rows: int, seed: int) -> jax.Array:
+def record_table(fmt, rows: int, seed: int) -> jax.Array:
     """u8[rows, R] of real records (finite scales): random latents encoded in pieces and tiled."""
     piece = min(rows, 65536)
     key1, key2 = jax.random.split(jax.random.key(seed))
@@ -44,20 +45,23 @@ def _records(fmt, rows: int, seed: int) -> jax.Array:
     return jnp.tile(records, (-(-rows // piece), 1))[:rows]
 
 
-def _inputs(tokens: int, heads: int, top_k: int, rows: int, seed: int) -> list[tuple]:
+def query_sets(tokens: int, heads: int, top_k: int, rows: int, seed: int) -> list[tuple]:
+    """REPEATS inputs (q bf16[T, H, 576], indices i32[T, K], counts i32[T] all K) of `rows` records."""
     out = []
     for i in range(REPEATS):
         kq, ki = jax.random.split(jax.random.key(seed * 100 + i))
         q = (jax.random.normal(kq, (tokens, heads, 576)) * 0.5).astype(jnp.bfloat16)
-        # distinct rows per token: a random start and stride co-prime with nothing in particular,
-        # taken modulo `rows` (collisions only when top_k > rows)
+        # rows start + 7919 j modulo `rows`: distinct while top_k <= rows and the prime 7919 does
+        # not divide `rows`
         start = jax.random.randint(ki, (tokens, 1), 0, rows)
         indices = ((start + jnp.arange(top_k)[None, :] * 7919) % rows).astype(jnp.int32)
         out.append((q, indices, jnp.full((tokens,), top_k, jnp.int32)))
     return out
 
 
-def _checked(got, want) -> bool:
+def agrees(got, want) -> bool:
+    """(out, lse) against the reference's: out within 1e-2 of its largest |value|, lse within 1e-2
+    (relative above 1)."""
     out, lse = (np.asarray(a, np.float32) for a in got)
     ref_out, ref_lse = (np.asarray(a, np.float32) for a in want)
     scale = np.abs(ref_out).max() + 1e-30
@@ -75,24 +79,23 @@ def run(heads_list, names, tokens: int, top_k: int, rows: int, log=print, interp
     results = []
     for name in names:
         fmt = formats.get(name)
-        records = _records(fmt, rows, seed=len(results))
+        records = record_table(fmt, rows, seed=len(results))
         for heads in heads_list:
-            inputs = _inputs(tokens, heads, top_k, rows, seed=heads)
+            inputs = query_sets(tokens, heads, top_k, rows, seed=heads)
             work = flops(tokens, heads, top_k, fmt.layout)
             reference = sparse_mla_attention(inputs[0][0], records, *inputs[0][1:], 576 ** -0.5, layout=fmt.layout,
                                              implementation="xla")
             for impl in SPARSE_MLA_ATTENTION.default_order:
-                ok, why = SPARSE_MLA_ATTENTION.implementation(impl).supported_on(device, records.size, False)
-                interpreted = not ok and interpret and impl != "xla"
-                if not ok and not interpreted:
-                    log(f"  attention: skip {impl} ({why})")
+                mode = report.run_mode(SPARSE_MLA_ATTENTION, impl, device, records.size, interpret, log)
+                if mode is None:
                     continue
+                interpreted = mode == "interpret"
 
                 def op(q, indices, counts, impl=impl, interpreted=interpreted):
                     return sparse_mla_attention(q, records, indices, counts, 576 ** -0.5, layout=fmt.layout,
                                                 implementation=impl, interpret=interpreted)
 
-                checked = _checked(jax.jit(op)(*inputs[0]), reference)
+                checked = agrees(jax.jit(op)(*inputs[0]), reference)
                 timing = measure_pure(op, inputs)
                 row = dict(op="attention", format=name, tokens=tokens, heads=heads, top_k=top_k, rows=rows,
                            implementation=impl, exact=checked, us=timing.seconds * 1e6, flops=work,

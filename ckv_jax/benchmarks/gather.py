@@ -56,7 +56,8 @@ def run(tokens_list, names, repeats=7, log=print, interpret=False):
             ref_raw = np.asarray(paged_gather.gather_records_reference(*inputs[0], num_rows=tokens))
             ref_deq = np.asarray(paged_gather.gather_dequant_reference(*inputs[0], num_rows=tokens,
                                                                         layout=fmt.layout)).view(np.uint16)
-            interp = device.platform != "gpu"
+            mode = report.run_mode(paged_gather.GATHER_RECORDS, "pallas_triton", device, cache.size, interpret, log)
+            interp = mode == "interpret"
             variants = [
                 ("raw", "pallas_triton", lambda c, b, u: paged_gather.gather_records(
                     c, b, u, num_rows=tokens, implementation="pallas_triton", interpret=interp), ref_raw),
@@ -68,8 +69,7 @@ def run(tokens_list, names, repeats=7, log=print, interpret=False):
                 ("dequant", "xla_reference", lambda c, b, u: paged_gather.gather_dequant_reference(
                     c, b, u, num_rows=tokens, layout=fmt.layout), ref_deq),
             ]
-            if interp and not interpret:
-                log("  skip pallas_triton: needs a GPU (--interpret runs it in interpret mode)")
+            if mode is None:
                 variants = [v for v in variants if v[1] != "pallas_triton"]
             for kind, impl, fn, ref in variants:
                 got = np.asarray(jax.jit(fn)(*inputs[0]))

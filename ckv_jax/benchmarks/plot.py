@@ -131,7 +131,8 @@ def main(argv=None) -> int:
         ax.axhline(matmul, color="grey", lw=0.8, ls="--", label=f"bf16 matmul {matmul:.3g} TFLOP/s")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("query heads")
-        ax.set_ylabel("TFLOP/s (2 T H K (576 + 512))" + (", device timeline" if "device_tflops" in attention[0] else ""))
+        clock = ", device timeline" if "device_tflops" in attention[0] else ""
+        ax.set_ylabel(f"TFLOP/s (2 T H K (576 + 512)){clock}")
         r0 = attention[0]
         ax.set_title(f"sparse-MLA attention, T={r0['tokens']}, top-k {r0['top_k']}, {r0['rows']} records: {title}",
                      fontsize=9)

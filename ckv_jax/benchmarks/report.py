@@ -1,4 +1,5 @@
-"""Shared ending of the benchmark commands: JSON file, summary table, exit status."""
+"""Shared pieces of the benchmark commands: which implementations a sweep runs, progress lines,
+and the ending (JSON file, summary table, exit status)."""
 from __future__ import annotations
 
 import json
@@ -30,6 +31,19 @@ def _cell(row: dict, key: str, width: int, fmt: str) -> str:
     if fmt and fmt != "s":
         return f"{row[key]:>{width}{fmt}}"
     return f"{str(row[key]):<{width}}"
+
+
+def run_mode(op, name: str, device, nbytes: int, interpret: bool, log) -> str | None:
+    """How a sweep runs implementation `name` of KernelOp `op` on `device` for a buffer of
+    `nbytes`: "compiled" where it is supported, "interpret" for a Pallas implementation off its
+    hardware when the sweep asked for interpret mode, else None (skipped, with the reason logged)."""
+    ok, why = op.implementation(name).supported_on(device, nbytes, False)
+    if ok:
+        return "compiled"
+    if interpret and name != "xla":
+        return "interpret"
+    log(f"  {op.name}: skip {name} ({why}" + ("; --interpret runs it in interpret mode)" if name != "xla" else ")"))
+    return None
 
 
 class Progress:

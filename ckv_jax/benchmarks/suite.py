@@ -129,13 +129,11 @@ def patch_results(tokens_list, names, chunk, repeats, log, interpret=False):
                                jax.random.permutation(k3, rows)[:chunk].astype(jnp.int32)))
             reference = None
             for impl in cache_writer.DEFAULT_ORDER:
-                interpreted = False
-                if not cache_writer.WRITE_RECORDS.implementation(impl).supported_on(
-                        device, rows * fmt.record_bytes, False)[0]:
-                    if not interpret or impl == "xla":
-                        log(f"  patch: skip {impl} (needs a GPU; --interpret runs it in interpret mode)")
-                        continue
-                    interpreted = True
+                mode = report.run_mode(cache_writer.WRITE_RECORDS, impl, device, rows * fmt.record_bytes, interpret,
+                                       log)
+                if mode is None:
+                    continue
+                interpreted = mode == "interpret"
 
                 def op(ws, kv_c, k_pe, dest, impl=impl, interpreted=interpreted):
                     return dcp_step.patch_chunk(ws, kv_c, k_pe, dest, layout=fmt.layout, implementation=impl,

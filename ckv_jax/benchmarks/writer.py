@@ -57,13 +57,12 @@ def run(tokens_list, names, patterns, repeats=5, log=print, interpret=False):
                 num_blocks, inputs = make_inputs(fmt, tokens, repeats, pattern, jax.random.key(tokens))
                 reference = None
                 for impl in cache_writer.DEFAULT_ORDER:
-                    implementation = cache_writer.WRITE_RECORDS.implementation(impl)
-                    ok, why = implementation.supported_on(device, num_blocks * BLOCK_SIZE * fmt.record_bytes, False)
-                    interpreted = not ok and interpret and impl != "xla"
-                    if not ok and not interpreted:
-                        log(f"  skip {impl}: {why}" + (" (--interpret)" if impl != "xla" else ""))
+                    mode = report.run_mode(cache_writer.WRITE_RECORDS, impl, device,
+                                           num_blocks * BLOCK_SIZE * fmt.record_bytes, interpret, log)
+                    if mode is None:
                         continue
-                    run_impl = implementation.run
+                    interpreted = mode == "interpret"
+                    run_impl = cache_writer.WRITE_RECORDS.implementation(impl).run
 
                     def op(cache, kv_c, k_pe, slots, run_impl=run_impl, interpreted=interpreted):
                         return run_impl(cache, kv_c, k_pe, slots, layout=fmt.layout, interpret=interpreted)

@@ -114,7 +114,8 @@ def _attention_kernel(idx_ref, count_ref, scale_ref, q_nope_ref, q_rope_ref, rec
     head_rows = t * num_heads + hb * block_h + lax.broadcasted_iota(jnp.int32, (block_h, 1), 0)
     parts = nope_parts(layout)
     width = nope_dim // parts
-    q_parts = [compat.pltriton.load(q_nope_ref.at[head_rows, p * width + lax.broadcasted_iota(jnp.int32, (1, width), 1)])
+    part_cols = lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    q_parts = [compat.pltriton.load(q_nope_ref.at[head_rows, p * width + part_cols])
                for p in range(parts)]                  # loaded apart: Triton has no value slicing
     q_rope = compat.pltriton.load(q_rope_ref.at[head_rows, lax.broadcasted_iota(jnp.int32, (1, layout.rope_dim), 1)])
     scale = _scalar(scale_ref, 0)
