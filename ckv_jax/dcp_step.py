@@ -67,12 +67,26 @@ class StepArrays:
     layout: DcpLayout
 
 
-def step_arrays(plan: StepPlan, block_table, mesh: jax.sharding.Mesh | None = None) -> StepArrays:
+def step_arrays(plan: StepPlan, block_table, mesh: jax.sharding.Mesh | None = None, *,
+                chunk_capacity: int | None = None) -> StepArrays:
     """The step's arrays from its plan and block table, replicated on `mesh` (None: on the default
-    device), in one transfer.  Check the block table first (`check_block_table`)."""
+    device), in one transfer.  Check the block table first (`check_block_table`).
+
+    chunk_capacity: the rows of the latent buffers the chunk will be patched from, when they hold
+    more than the step's T tokens (a persistent buffer sized once): `chunk_rows` is then padded
+    to that length with -1, which the patch skips, so the buffers pass whole and the patch
+    program's shapes stay the same from step to step.
+    """
     table = np.asarray(block_table).astype(np.int32)
+    rows = chunk_rows(plan)
+    if chunk_capacity is not None:
+        if isinstance(chunk_capacity, bool) or not isinstance(chunk_capacity, (int, np.integer)) \
+                or chunk_capacity < plan.num_tokens:
+            raise ValueError(f"chunk_capacity: expected an int >= the step's {plan.num_tokens} query tokens, "
+                             f"got {chunk_capacity!r}")
+        rows = np.concatenate([rows, np.full(int(chunk_capacity) - len(rows), -1, np.int32)])
     host = StepArrays(block_table=table, local_cu=plan.local_cu_seq_lens, slots=dcp_slot_mapping(plan, table),
-                      chunk_rows=chunk_rows(plan), req_id=plan.req_id_per_token, causal_len=plan.causal_lens(),
+                      chunk_rows=rows, req_id=plan.req_id_per_token, causal_len=plan.causal_lens(),
                       rank_starts=plan.rank_req_starts, rank_lens=plan.rank_req_lens,
                       num_rows=plan.padded_tokens, layout=plan.layout)
     return jax.device_put(host, None if mesh is None else NamedSharding(mesh, P()))
@@ -137,11 +151,13 @@ def check_caches(fmt: formats.RecordFormat, caches, plan: StepPlan) -> int:
     return caches.shape[0] // d
 
 
-def check_chunk(fmt: formats.RecordFormat, kv_c, k_pe, plan: StepPlan):
-    """kv_c [T, nope_dim] and k_pe bf16[T, rope_dim] with T the plan's query tokens."""
-    if validation.check_values(fmt, kv_c, k_pe) != plan.num_tokens:
-        raise ValueError(f"kv_c: expected [{plan.num_tokens}, {fmt.nope_dim}] (the step's query tokens), "
-                         f"got {validation.describe(kv_c)}")
+def check_chunk(fmt: formats.RecordFormat, kv_c, k_pe, plan: StepPlan, rows: int | None = None):
+    """kv_c [T, nope_dim] and k_pe bf16[T, rope_dim] with T the plan's query tokens (or `rows`,
+    the length of a padded `StepArrays.chunk_rows`)."""
+    want = plan.num_tokens if rows is None else rows
+    if validation.check_values(fmt, kv_c, k_pe) != want:
+        what = "the step's query tokens" if rows is None else "the chunk buffers' rows"
+        raise ValueError(f"kv_c: expected [{want}, {fmt.nope_dim}] ({what}), got {validation.describe(kv_c)}")
 
 
 def bounded_pack_tiles(programs: int) -> paged_gather.GatherTiles:
@@ -216,13 +232,7 @@ def patch_chunk(workspace, kv_c, k_pe, rows, *, layout: RecordLayout, implementa
 
 
 # -- the same operations as programs over a mesh ----------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "implementation", "interpret", "tiles"),
-                   donate_argnames=("out",), keep_unused=True)
-def gather_program(caches, arrays: StepArrays, out=None, after=None, *, mesh, axis_name: str = DCP_AXIS,
-                   implementation=None, interpret: bool = False, tiles=None):
-    """The gathered workspace u8[D * P, R] (replicated) from the sharded u8[D * num_blocks,
-    block_size, R] caches; written into `out` (donated) when given.  after: an array the program
-    takes as an unused input, so that it runs only once `after` is ready."""
+def _gather_over_mesh(caches, arrays: StepArrays, out, *, mesh, axis_name, implementation, interpret, tiles):
     body = functools.partial(gather_workspace_in_shard_map, axis_name=axis_name, implementation=implementation,
                              interpret=interpret, tiles=tiles, device=placement.mesh_device(mesh))
     if out is None:
@@ -230,6 +240,17 @@ def gather_program(caches, arrays: StepArrays, out=None, after=None, *, mesh, ax
                              check_vma=False)(caches, arrays)
     return jax.shard_map(lambda c, a, o: body(c, a, out=o), mesh=mesh, in_specs=(P(axis_name), P(), P()),
                          out_specs=P(), check_vma=False)(caches, arrays, out)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "implementation", "interpret", "tiles"),
+                   donate_argnames=("out",), keep_unused=True)
+def gather_program(caches, arrays: StepArrays, out=None, after=None, *, mesh, axis_name: str = DCP_AXIS,
+                   implementation=None, interpret: bool = False, tiles=None):
+    """The gathered workspace u8[D * P, R] (replicated) from the sharded u8[D * num_blocks,
+    block_size, R] caches; written into `out` (donated) when given.  after: an array the program
+    takes as an unused input, so that it runs only once `after` is ready."""
+    return _gather_over_mesh(caches, arrays, out, mesh=mesh, axis_name=axis_name, implementation=implementation,
+                             interpret=interpret, tiles=tiles)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "layout", "implementation", "interpret"),
@@ -251,3 +272,75 @@ def patch_program(workspace, kv_c, k_pe, rows, after=None, *, layout: RecordLayo
     after: an array the program takes as an unused input (see `gather_program`)."""
     return patch_chunk(workspace, kv_c, k_pe, rows, layout=layout, implementation=implementation,
                        interpret=interpret, device=device)
+
+
+def signal_when_ready(x, signal, *, platform: str, passing: tuple = ()) -> tuple:
+    """`passing`, unchanged, after a host callback that calls `signal(stream)` once `x` is ready:
+    `stream` is the handle (an int) of the GPU stream the program runs on (None on other
+    platforms).  On a GPU the callback runs on the host thread that dispatches the program, while
+    its kernels are being enqueued, after the kernels `x` depends on and before every kernel that
+    reads the returned arrays: an event that `signal` records on `stream` marks exactly that point.
+
+    The arrays of `passing` go through the callback as aliased operands (a parameter the program
+    does not own is copied first: pass small ones): a true data dependency, which XLA's
+    scheduler keeps (it drops an optimization barrier's order).  Returns (token u8[1], *passing);
+    the program must output the token or use what passed, or XLA removes the callback.  (Marked
+    as a side effect instead, it would cost every call jax's slow Python dispatch path.)
+    """
+    from jax.experimental.buffer_callback import buffer_callback     # jax's semi-private GPU stream access
+
+    def call(ctx, outs, *args):
+        signal(int(ctx.stream) if platform == "gpu" else None)
+
+    first = lax.slice(x.reshape(-1), (0,), (1,)).astype(jnp.uint8)
+    operands = (first,) + tuple(passing)
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in operands)
+    outs = buffer_callback(call, shapes, input_output_aliases={i: i for i in range(len(operands))})(*operands)
+    return tuple(outs)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "layout", "implementation", "interpret",
+                                             "tiles", "prefetch_tiles", "signal"),
+                   donate_argnames=("slot", "prefetch_slots"))
+def layer_program(slot, cache, kv_c, k_pe, arrays: StepArrays, prefetch_caches=(), prefetch_slots=(),
+                  *, mesh, layout: RecordLayout, axis_name: str = DCP_AXIS, implementation=None,
+                  interpret: bool = False, tiles=None, prefetch_tiles=None, signal=None):
+    """One layer's JAX work as one program (one dispatch):
+
+      1. its own workspace in `slot` (donated): `cache` None patches the chunk (kv_c, k_pe at
+         `arrays.chunk_rows`) into a slot prefetched earlier; otherwise gathers `cache` into it
+         (with `tiles`).  `slot` None: no workspace of its own (the first prefetches of a step);
+      2. `signal` (optional, static, hashable): called through `signal_when_ready` once the
+         workspace is ready, once per device, so a consumer on another stream can wait for it
+         alone;
+      3. the gathers of later layers: prefetch_caches[i] into prefetch_slots[i] (donated), with
+         `prefetch_tiles`; every kernel of theirs comes after the signal.
+
+    Returns (workspace or None, tuple of prefetched workspaces, the signal's u8[1] token or
+    None; the token is an output only so that XLA keeps the callback).  The step arrays it does
+    not read are dropped from the executable's inputs (each input costs the dispatch time)."""
+    device = placement.mesh_device(mesh)
+    gather = functools.partial(_gather_over_mesh, arrays=arrays, mesh=mesh, axis_name=axis_name,
+                               implementation=implementation, interpret=interpret)
+    workspace = None
+    if slot is not None:
+        if cache is None:
+            workspace = patch_chunk(slot, kv_c, k_pe, arrays.chunk_rows, layout=layout,
+                                    implementation=implementation, interpret=interpret, device=device)
+        else:
+            workspace = gather(cache, out=slot, tiles=tiles)
+    prefetch_slots = tuple(prefetch_slots)
+    if signal is not None:
+        if workspace is None:
+            raise ValueError("signal: marks the layer's own workspace, but slot is None (no workspace)")
+        # every prefetch's pack reads local_cu: passed through the signal, it makes them follow
+        # it.  In a shard_map, so that each device's program calls it once (a side effect needs
+        # a placement)
+        signalled = functools.partial(signal_when_ready, signal=signal, platform=device.platform)
+        token, local_cu = jax.shard_map(lambda w, cu: signalled(w, passing=(cu,)), mesh=mesh, in_specs=(P(), P()),
+                                        out_specs=(P(), P()), check_vma=False)(workspace, arrays.local_cu)
+        gather = functools.partial(gather, arrays=dataclasses.replace(arrays, local_cu=local_cu))
+    else:
+        token = None
+    prefetched = tuple(gather(c, out=o, tiles=prefetch_tiles) for c, o in zip(prefetch_caches, prefetch_slots))
+    return workspace, prefetched, token

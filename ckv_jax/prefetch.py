@@ -11,9 +11,10 @@ slots of D * C records.  Per step:
         ws = orch.gather(layer, cache, kv_c, k_pe)  # prefetched + patched, or gathered now
         ...attention over ws (u8[D * C, R]; rows past D * P are unreachable)...
 
-`gather` issues the gathers of layers L+1..L+depth that are registered and not already pending
-(JAX dispatch is asynchronous: they run on JAX's stream while the caller continues), stopping
-at the first layer whose cache is not registered, so the first step only discovers caches.
+`begin_step` issues the gathers of layers 0..depth-1 and `gather` those of layers L+1..L+depth
+that are registered and not already pending (JAX dispatch is asynchronous: they run on JAX's
+stream while the caller continues), stopping at the first layer whose cache is not registered,
+so the first step only discovers caches.  A call's own work and its prefetches are one program.
 Ordering comes from data dependencies: a prefetch reads the registered (pre-step) cache of its
 layer, and JAX orders a later donation or overwrite of that cache after the read.
 
@@ -25,6 +26,7 @@ collectives match.  `decisions` records them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Callable, Hashable
 
@@ -79,7 +81,7 @@ class WorkspacePool:
 
     def check_writable(self, lane: int, index: int):
         """Raise if slot `index` of `lane` must not be overwritten now.  JAX-owned slots need no
-        check before: a slot still referenced cannot be donated (`_into_slot` raises after)."""
+        check before: a slot still referenced cannot be donated (`_into_slots` raises after)."""
 
     def acquire(self) -> int:
         if not self._free:
@@ -137,6 +139,7 @@ class PrefetchOrchestrator:
         self._lanes: dict[Hashable, LaneState] = {}
         self._plan: StepPlan | None = None
         self._arrays: dcp_step.StepArrays | None = None
+        self._checked_chunk: tuple | None = None      # (kv_c, k_pe) last checked against the step
         self.decisions: list[tuple] = []
 
     @property
@@ -187,19 +190,44 @@ class PrefetchOrchestrator:
             log.debug("full-CKV gather not used this step: %s", plan.why)
         return plan.eligible
 
-    def begin_step(self, plan: StepPlan, block_table):
-        """Start a step: pending prefetches of every lane are dropped, cache bindings kept."""
+    def begin_step(self, plan: StepPlan, block_table, *, prefetch: bool = True, chunk_capacity: int | None = None,
+                   after=None):
+        """Start a step: pending prefetches of every lane are dropped, cache bindings kept.
+
+        prefetch: dispatch at once, for every lane, the gathers of its first `depth` registered
+        layers.  A gather reads only the history, which earlier steps wrote, and each layer
+        patches its current chunk in when it is called; so layer 0's gather also runs beside
+        whatever the engine does before layer 0's attention, instead of in front of it.
+        chunk_capacity: the rows of the buffers the chunk's latents will come in, when more than
+        the step's tokens (`dcp_step.step_arrays`).  after: see `gather`.
+        """
         if plan.layout != self.layout:
             raise ValueError(f"plan: expected layout {self.layout}, got {plan.layout}")
         if plan.padded_tokens > self.memory.capacity:
             raise ValueError(f"plan: P={plan.padded_tokens} exceeds the pool's capacity C={self.memory.capacity}")
         dcp_step.check_block_table(plan, block_table)
         self._plan = plan
-        self._arrays = dcp_step.step_arrays(plan, block_table, self.mesh)   # every gather and patch reuses them
+        self._checked_chunk = None
+        # every gather and patch of the step reuses them
+        self._arrays = dcp_step.step_arrays(plan, block_table, self.mesh, chunk_capacity=chunk_capacity)
         for state in self._lanes.values():
             state.pending.clear()
             state.last_layer = None
         self.decisions = []
+        if not (prefetch and plan.eligible):
+            return
+        for key, state in self._lanes.items():
+            targets = target_layers(-1, self.depth, state.registered(), state.pending)
+            if not targets:
+                continue
+            if after is None:
+                self._dispatch(state, None, None, None, None, targets, None)
+            else:
+                for t in targets:
+                    self._dispatch_after(state, t % self.slots, state.caches[t], None, None, after,
+                                         self.prefetch_tiles)
+                    state.pending[t] = t % self.slots
+            self.decisions.append((key, None, "begin_step", tuple(targets)))
 
     def enter_layer(self, layer: int, key: Hashable = "target"):
         """A layer index at or below the last one restarts the step (a repeated or interrupted pass)."""
@@ -209,7 +237,7 @@ class PrefetchOrchestrator:
         state.last_layer = layer
 
     def gather(self, layer: int | None, cache, kv_c, k_pe, *, key: Hashable = "target", after=None,
-               ready: Callable[[jax.Array], None] | None = None):
+               ready: Callable[[jax.Array], None] | None = None, signal=None):
         """The gathered workspace u8[D * C, R] of `layer` for this step, current chunk included.
 
         cache: this layer's u8[D * num_blocks, block_size, R] (sharded) after the layer wrote its
@@ -217,73 +245,126 @@ class PrefetchOrchestrator:
         The returned array is the ring slot itself: it stays valid until the slot is reused
         (depth + 1 layers later, or the next step), when it is donated to the next gather and
         JAX raises on any further use of it.  Every gather writes its rows straight into its slot.
+
+        The layer's own work (the patch or the gather) and the prefetches of later layers are one
+        program, one dispatch (`dcp_step.layer_program`), unless `ready` or `after` is given.
         after: an array every computation dispatched by this call takes as an (unused) input, so it
         runs only once `after` is ready (the torch bridge's DLPack path passes a fresh import from
-        torch's current stream).
-        ready: called with the workspace once its own computations (gather or patch) are
-        dispatched and before any prefetch of a later layer is: a consumer on another stream
-        hooks its wait here, so that the wait does not cover the prefetches.
+        torch's current stream); these calls dispatch `dcp_step.gather_program` and
+        `patch_program`.
+        signal: a static hashable callable the program calls, in stream order, between the
+        layer's own work and the prefetches (`dcp_step.signal_when_ready`): a consumer on another
+        stream waits on what it records and so never waits for the prefetches.
+        ready: the host-side form of the same hook, for consumers that wait through an export:
+        called with the workspace once its own computation is dispatched; the prefetches are then
+        dispatched separately, after it.
         """
         plan = self._plan
         if plan is None:
             raise RuntimeError("CKV gather called before begin_step")
         if not plan.eligible:
             raise RuntimeError(f"CKV gather called for an ineligible step: {plan.why}")
+        if signal is not None and (ready is not None or after is not None):
+            raise ValueError("signal: the in-program signal needs the call's work in one program; "
+                             "it does not combine with ready or after")
         state = self.lane(key)
         if layer is None:                      # no layer index: no lookahead for this call
-            ws = self._gather_into(state, 0, cache, after)
-            if ready is not None:
-                ready(ws)
+            dcp_step.check_caches(self.fmt, cache, plan)
+            ws = self._own_and_prefetches(state, 0, cache, kv_c, k_pe, (), after, ready, signal)
             self.decisions.append((key, None, "sync", ()))
             return ws
         self.enter_layer(layer, key)
         while len(state.caches) <= layer:
             state.caches.append(None)
-        state.caches[layer] = cache
+        if state.caches[layer] is not cache:   # checked once per cache object: the layout is fixed
+            dcp_step.check_caches(self.fmt, cache, plan)
+            state.caches[layer] = cache
         if layer in state.pending:
-            dcp_step.check_chunk(self.fmt, kv_c, k_pe, plan)
-            ws, how = self._into_slot(state, state.pending.pop(layer), lambda slot: dcp_step.patch_program(
-                slot, kv_c, k_pe, self._arrays.chunk_rows, after, layout=self.fmt.layout,
-                implementation=self.implementation, interpret=self.interpret,
-                device=placement.mesh_device(self.mesh))), "prefetched"
+            if self._checked_chunk is None or self._checked_chunk[0] is not kv_c or \
+                    self._checked_chunk[1] is not k_pe:
+                dcp_step.check_chunk(self.fmt, kv_c, k_pe, plan, rows=self._arrays.chunk_rows.shape[0])
+                self._checked_chunk = (kv_c, k_pe)     # the torch bridge passes the same buffers every layer
+            index, own_cache, how = state.pending.pop(layer), None, "prefetched"
         else:
-            ws, how = self._gather_into(state, layer % self.slots, cache, after), "sync"
-        if ready is not None:
-            ready(ws)
+            index, own_cache, how = layer % self.slots, cache, "sync"
         targets = target_layers(layer, self.depth, state.registered(), state.pending)
-        for t in targets:
-            self._gather_into(state, t % self.slots, state.caches[t], after, self.prefetch_tiles)
-            state.pending[t] = t % self.slots
+        ws = self._own_and_prefetches(state, index, own_cache, kv_c, k_pe, targets, after, ready, signal)
         self.decisions.append((key, layer, how, tuple(targets)))
         return ws
 
-    def _gather_into(self, state: LaneState, index: int, cache, after, tiles=None):
-        dcp_step.check_caches(self.fmt, cache, self._plan)   # the table was checked at begin_step
-        self.pool.check_writable(state.lane, index)
-        return self._into_slot(state, index, lambda slot: dcp_step.gather_program(
-            cache, self._arrays, slot, after, mesh=self.mesh, axis_name=self.axis_name,
-            implementation=self.implementation, interpret=self.interpret, tiles=tiles))
+    def _own_and_prefetches(self, state: LaneState, index: int, own_cache, kv_c, k_pe, targets, after, ready,
+                            signal):
+        """Slot `index` patched (own_cache None) or gathered from own_cache, then the gathers of
+        `targets`: one program, or with `ready` / `after` the own work, ready(workspace), then
+        each prefetch, as programs that take `after`."""
+        if ready is None and after is None:
+            return self._dispatch(state, index, own_cache, kv_c, k_pe, targets, signal)
+        ws = self._dispatch_after(state, index, own_cache, kv_c, k_pe, after)
+        if ready is not None:
+            ready(ws)
+        for t in targets:
+            self._dispatch_after(state, t % self.slots, state.caches[t], None, None, after, self.prefetch_tiles)
+            state.pending[t] = t % self.slots
+        return ws
 
-    def _into_slot(self, state: LaneState, index: int, program: Callable[[jax.Array], jax.Array]) -> jax.Array:
-        """Ring slot `index` replaced by program(slot), which donates the slot.  A slot something
+    def _dispatch(self, state: LaneState, index, own_cache, kv_c, k_pe, targets, signal):
+        """One `dcp_step.layer_program`: slot `index` (None: none) patched or gathered, then the
+        gathers of the layers `targets` into their ring slots, which become pending."""
+        indices = ([] if index is None else [index]) + [t % self.slots for t in targets]
+        for i in indices[1:] if own_cache is None and index is not None else indices:   # slots a gather overwrites
+            self.pool.check_writable(state.lane, i)
+
+        def program(slots):
+            own = slots[0] if index is not None else None
+            ws, prefetched, _ = dcp_step.layer_program(
+                own, own_cache, kv_c, k_pe, self._arrays, tuple(state.caches[t] for t in targets),
+                tuple(slots[len(slots) - len(targets):]), mesh=self.mesh, layout=self.fmt.layout,
+                axis_name=self.axis_name, implementation=self.implementation, interpret=self.interpret,
+                prefetch_tiles=self.prefetch_tiles, signal=signal)
+            return ([] if ws is None else [ws]) + list(prefetched)
+
+        self._into_slots(state, indices, program)
+        for t in targets:
+            state.pending[t] = t % self.slots
+        return None if index is None else self.pool.ring(state.lane)[index]
+
+    def _dispatch_after(self, state: LaneState, index: int, cache, kv_c, k_pe, after, tiles=None):
+        """Slot `index` patched (cache None) or gathered from `cache` by a program that takes `after`."""
+        if cache is None:
+            program = functools.partial(dcp_step.patch_program, kv_c=kv_c, k_pe=k_pe, rows=self._arrays.chunk_rows,
+                                        after=after, layout=self.fmt.layout, implementation=self.implementation,
+                                        interpret=self.interpret, device=placement.mesh_device(self.mesh))
+        else:
+            self.pool.check_writable(state.lane, index)
+            program = functools.partial(dcp_step.gather_program, cache, self._arrays, after=after, mesh=self.mesh,
+                                        axis_name=self.axis_name, implementation=self.implementation,
+                                        interpret=self.interpret, tiles=tiles)
+        self._into_slots(state, [index], lambda slots: [program(slots[0])])
+        return self.pool.ring(state.lane)[index]
+
+    def _into_slots(self, state: LaneState, indices: list[int], program: Callable[[list], list]):
+        """Ring slots `indices` replaced by program(slots), which donates them.  A slot something
         else still references (a torch view of a workspace returned earlier) cannot be donated:
         XLA on a GPU refuses the call, XLA on a CPU silently allocates a new buffer instead; the
         pool never grows, so either is the slot's error."""
         ring = self.pool.ring(state.lane)
-        slot = ring[index]
+        slots = [ring[i] for i in indices]
         try:
-            ring[index] = program(slot)
+            new = program(slots)
         except (jax.errors.JaxRuntimeError, ValueError) as e:     # jax 0.11 raises INVALID_ARGUMENT as ValueError
             if "external reference" not in str(e):
                 raise
-            raise slot_still_referenced(index) from e
-        if not slot.is_deleted():
-            raise slot_still_referenced(index)
-        return ring[index]
+            raise slot_still_referenced(*indices) from e
+        for i, array in zip(indices, new):
+            ring[i] = array
+        kept = [i for i, slot in zip(indices, slots) if not slot.is_deleted()]
+        if kept:
+            raise slot_still_referenced(*kept)
 
 
-def slot_still_referenced(index: int) -> RuntimeError:
-    """The error of a ring slot about to be reused while a workspace returned from it lives on."""
-    return RuntimeError(f"CKV workspace ring slot {index} is still referenced (a workspace returned by an "
+def slot_still_referenced(*indices: int) -> RuntimeError:
+    """The error of ring slots about to be reused while a workspace returned from one lives on."""
+    which = f"slot {indices[0]}" if len(indices) == 1 else f"one of slots {', '.join(map(str, indices))}"
+    return RuntimeError(f"CKV workspace ring {which} is still referenced (a workspace returned by an "
                         "earlier gather, or a view of it, is alive outside ckv-jax); drop it before its slot "
                         "is reused")

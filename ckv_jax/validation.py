@@ -6,6 +6,8 @@ back to the host and therefore need concrete (non-traced) arrays.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,13 +34,20 @@ def _require_array(name: str, x):
         raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
 
 
+@functools.lru_cache(maxsize=None)
+def _dtypes(dtypes: tuple) -> tuple:
+    return tuple(jnp.dtype(d) for d in dtypes)
+
+
 def check_array(name: str, x, dtypes, shape_pattern: str, ndim: int):
+    """Runs on every per-layer call of the torch bridge: kept to attribute reads."""
     _require_array(name, x)
-    dtypes = tuple(jnp.dtype(d) for d in dtypes)
-    if jnp.dtype(x.dtype) not in dtypes:
+    dtypes = _dtypes(tuple(dtypes))
+    dtype = x.dtype if isinstance(x.dtype, np.dtype) else jnp.dtype(x.dtype)
+    if dtype not in dtypes:
         want = " or ".join(d.name for d in dtypes)
         raise TypeError(f"{name}: expected {want}{shape_pattern}, got {describe(x)}")
-    if len(jnp.shape(x)) != ndim:
+    if len(x.shape) != ndim:
         raise ValueError(f"{name}: expected rank {ndim} {shape_pattern}, got {describe(x)}")
 
 

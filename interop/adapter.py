@@ -19,12 +19,15 @@ while torch computes layer L.  Two ordering protocols, chosen once (`ordering`):
 
 * ``"cuda-events"`` (CUDA, where `interop.stream_handoff` finds JAX's compute stream): the ring
   slots are torch memory imported into JAX once, and every gather and patch writes into them in
-  place; the chunk's latents are copied by torch into two persistent buffers that JAX imported
-  once per step.  Per call: JAX's stream waits on an event of torch's current stream (so JAX
-  runs after torch's cache writes, the chunk copy and torch's reads of a slot it reuses), the
-  layer's own gather or patch is dispatched, torch's stream waits on an event recorded right
-  after it, and only then are the prefetches of later layers dispatched, so torch never waits
-  for them.  No import, export or host synchronization per layer.
+  place; the chunk's latents are copied by torch into two persistent buffers, imported once
+  (again only when a step has more tokens than they hold).  `begin_step` dispatches the gathers
+  of the first `depth` layers at once (JAX's stream first waits on torch's, for the caches'
+  last writes).  Per call: JAX's stream waits on an event of torch's current stream (so JAX
+  runs after torch's cache writes, the chunk copy and torch's reads of a slot it reuses); one
+  program patches (or gathers) the layer's slot, records an event on JAX's stream from inside
+  the program (`dcp_step.signal_when_ready`), then gathers the later layers; torch's stream
+  waits on that event, so torch never waits for the prefetches.  No import, export or host
+  synchronization per layer; one dispatch.
 * ``"dlpack"`` (CPU tensors, or when the stream hand-off is unavailable, logged): each call
   imports the chunk's latents from torch's current stream and every JAX computation of the call
   takes them as an input; the workspace is exported (torch's stream waits for it) before the
@@ -83,7 +86,7 @@ class TorchWorkspacePool(WorkspacePool):
             raise slot_still_referenced(index)
 
     def tensor_of(self, workspace: jax.Array) -> torch.Tensor:
-        pointer = workspace.addressable_data(0).unsafe_buffer_pointer()
+        pointer = workspace.unsafe_buffer_pointer()          # the one shard this process holds
         t = self._by_pointer.get(pointer)
         if t is None:
             raise RuntimeError(f"workspace at 0x{pointer:x} is not a ring slot: JAX did not write the gather into its "
@@ -133,8 +136,8 @@ class TorchCkvAdapter:
         self.plan = None
         self._caches: dict = {}            # (lane, layer) -> (data_ptr, shape, global cache array, tensor)
         self._chunk = None
-        self._chunk_buffers: dict = {}     # cuda-events: (dtype, width) -> persistent torch buffer
-        self._step_chunk = {}              # cuda-events: (dtype, width) -> its JAX view of this step's T rows
+        self._chunk_rows = 0               # cuda-events: rows of the persistent chunk buffers
+        self._chunk_buffers: dict = {}     # cuda-events: (dtype, width) -> (torch buffer, its JAX array)
         self._keepalive: list = []         # torch tensors JAX may still read this step
 
     def _stream_events(self, ordering):
@@ -167,7 +170,11 @@ class TorchCkvAdapter:
         """Plan the step; False (and a debug log of why) when it must take the stock path.
 
         seq_lens, query_lens: host int[R] (tensors on the CPU or arrays; seq_lens include the
-        chunk); block_table: int32[R, max_blocks] on this GPU, identical on every rank.
+        chunk); block_table: int32[R, max_blocks], identical on every rank: on the host (a CPU
+        tensor such as vLLM's block_table_cpu, or an array), or on this GPU, where reading it
+        makes the host wait for the work torch has queued so far.
+        With the cuda-events ordering the gathers of the first `depth` layers start here, after
+        the work queued on torch's current stream so far.
         """
         bridge.check_not_capturing("begin_step")
         self._drain()
@@ -179,9 +186,24 @@ class TorchCkvAdapter:
         self.plan = plan
         if not self.orch.eligible(plan):
             return False
-        table = self._replicated(bridge.to_jax(block_table, name="block_table", device=self.device), block_table)
-        self.orch.begin_step(plan, table)
+        table = self._host_table(block_table)
+        if self.events is None:
+            self.orch.begin_step(plan, table, prefetch=False)
+            return True
+        self._chunk_rows = max(self._chunk_rows, 1 << max(plan.num_tokens - 1, 0).bit_length())
+        self.events.jax_after_torch(torch.cuda.current_stream(self.events.device))
+        self.orch.begin_step(plan, table, chunk_capacity=self._chunk_rows)
         return True
+
+    def _host_table(self, block_table):
+        if isinstance(block_table, torch.Tensor):
+            if block_table.device.type == "cpu":
+                bridge.check_tensor("block_table", block_table)
+                return block_table.numpy()
+            # the host reads it to plan the step: a GPU table costs a wait for torch's queue
+            return np.asarray(self._replicated(bridge.to_jax(block_table, name="block_table", device=self.device),
+                                               block_table))
+        return np.asarray(block_table)
 
     def set_current_chunk(self, kv_c: torch.Tensor, k_pe: torch.Tensor):
         """The current chunk's latents of all T tokens of the step (every rank holds them all),
@@ -212,8 +234,8 @@ class TorchCkvAdapter:
         stream = torch.cuda.current_stream(self.events.device)
         kv_c, k_pe = self._chunk_on_device(chunk) if self.orch.is_pending(layer_idx, lane) else (None, None)
         self.events.jax_after_torch(stream)     # after the cache write, the chunk copy, reads of reused slots
-        ws = self.orch.gather(layer_idx, cache, kv_c, k_pe, key=lane,
-                              ready=lambda _: self.events.torch_after_jax(stream))
+        ws = self.orch.gather(layer_idx, cache, kv_c, k_pe, key=lane, signal=self.events.signal)
+        self.events.torch_after_signal(stream)  # torch waits for this layer's slot, not for the prefetches
         return self.orch.pool.tensor_of(ws)[:]
 
     def _gather_dlpack(self, layer_idx, lane, cache, chunk):
@@ -228,32 +250,25 @@ class TorchCkvAdapter:
         return exported[0]
 
     def _chunk_on_device(self, chunk):
-        """cuda-events: the chunk copied (on torch's stream) into the persistent buffers JAX
-        imported for this step; returns their JAX arrays."""
+        """cuda-events: the chunk copied (on torch's stream) into the first T rows of the
+        persistent buffers; returns their JAX arrays (all rows: the step's `chunk_rows` mark the
+        rows past T as padding).  A buffer is allocated and imported only when missing or smaller
+        than this step's `_chunk_rows`."""
         out = []
+        rows = self.plan.num_tokens
         for name, t in zip(("kv_c", "k_pe"), chunk):
-            if t.dim() != 2 or t.shape[0] != self.plan.num_tokens:
-                raise ValueError(f"{name}: expected [{self.plan.num_tokens}, width] (the step's query tokens), "
+            if t.dim() != 2 or t.shape[0] != rows:
+                raise ValueError(f"{name}: expected [{rows}, width] (the step's query tokens), "
                                  f"got {t.dtype}{list(t.shape)}")
             key = (t.dtype, t.shape[1])
-            view = self._step_chunk.get(key)
-            if view is None:
-                view = self._step_chunk[key] = self._chunk_buffer(key, name)
-            view[1].copy_(t)
-            out.append(view[0])
+            held = self._chunk_buffers.get(key)
+            if held is None or held[0].shape[0] != self._chunk_rows:
+                buf = torch.empty((self._chunk_rows, t.shape[1]), dtype=t.dtype, device=self.events.device)
+                held = self._chunk_buffers[key] = (buf, _replicated_on(
+                    self.mesh, bridge.to_jax(buf, name=name, device=self.device)))
+            held[0][:rows].copy_(t)
+            out.append(held[1])
         return out
-
-    def _chunk_buffer(self, key, name):
-        """(JAX array, torch view) of the first T rows of the persistent buffer for `key`,
-        imported once per step; the buffer grows to the next power of two of T when needed."""
-        dtype, width = key
-        rows = self.plan.num_tokens
-        buf = self._chunk_buffers.get(key)
-        if buf is None or buf.shape[0] < rows:
-            buf = torch.empty((1 << max(rows - 1, 0).bit_length(), width), dtype=dtype, device=self.events.device)
-            self._chunk_buffers[key] = buf
-        view = buf[:rows]
-        return self._replicated(bridge.to_jax(view, name=name, device=self.device), view), view
 
     def remap_topk(self, topk: torch.Tensor):
         """Global top-k i32[T, K] (positions per request, -1 = none) -> (workspace rows, counts) as
@@ -307,7 +322,6 @@ class TorchCkvAdapter:
             for ws in self.orch.in_flight():
                 bridge.to_torch(ws.addressable_data(0), name="in-flight workspace")
         self._keepalive.clear()
-        self._step_chunk.clear()
         self._chunk = None
 
 

@@ -9,10 +9,14 @@ case).  Per row:
 
   gather_ms_per_layer  the GPU time of a layer's JAX work: events on JAX's compute stream around
                        each depth-0 layer's calls, without compute (median over layers and trials)
-  compute_only_ms      the same step with the adapter calls left out (compute and cache writes)
+  compute_only_ms      the same step with the adapter calls left out (compute, cache writes, and
+                       the consumer's kernels over a stand-in row)
   step_ms              CUDA events on torch's stream around the step's layer loop (median of
-                       trials; spread_pct = (max - min) / median of those trials); `begin_step`
-                       runs before the first event, its host time is begin_step_us
+                       trials; spread_pct = (max - min) / median of those trials).  Before the
+                       first event torch queues one layer's compute (the previous step's tail)
+                       and the host calls `begin_step` (host time begin_step_us), as an engine
+                       prepares a step while the last one runs: the first event fires when the
+                       tail ends, and the gathers `begin_step` dispatched start after it too
   hidden_pct           100 * (1 - (step_N - compute_only) / (step_0 - compute_only)): the share
                        of the depth-0 step's exposed gather time that depth N hides
   host_us_per_layer    host wall time of one layer's `set_current_chunk` + `gather` (median)
@@ -49,6 +53,7 @@ class Workload:
         context = history + chunk
         blocks = -(-context // block_size)
         self.table = torch.randperm(blocks, device="cuda", dtype=torch.int32, generator=gen)[None, :].contiguous()
+        self.table_host = self.table.cpu()                # what begin_step reads (no host wait)
         self.caches = [torch.randint(0, 256, (blocks, block_size, FMT.record_bytes), dtype=torch.uint8,
                                      device="cuda", generator=gen) for _ in range(layers)]
         self.seq, self.q = np.array([context]), np.array([chunk])
@@ -57,6 +62,7 @@ class Workload:
         self.kv = (torch.randn(chunk, 512, device="cuda", generator=gen) * 3).to(torch.bfloat16)
         self.pe = torch.randn(chunk, 64, device="cuda", generator=gen).to(torch.bfloat16)
         self.records = torch_records.encode(FMT.name, self.kv, self.pe)
+        self.stand_in = torch.zeros((1, FMT.record_bytes), dtype=torch.uint8, device="cuda")
         slots = self.layout.slot_mapping(self.plan.positions(), self.plan.req_id_per_token,
                                          self.table.cpu().numpy(), 0)
         self.slots = torch.tensor(slots, dtype=torch.int64, device="cuda")   # on the device: no sync per write
@@ -70,10 +76,13 @@ class Workload:
     def write(self, layer: int):
         self.caches[layer].view(-1, FMT.record_bytes).index_copy_(0, self.slots, self.records)
 
+    def begin_step(self, adapter) -> bool:
+        return adapter.begin_step(self.seq, self.q, self.table_host)
+
     def step(self, adapter, compute=None, host=None, jax_events=None):
         """One step: `begin_step`, then the layers."""
         if adapter is not None:
-            adapter.begin_step(self.seq, self.q, self.table)
+            self.begin_step(adapter)
         self.layers(adapter, compute, host, jax_events)
 
     def layers(self, adapter, compute=None, host=None, jax_events=None):
@@ -85,6 +94,7 @@ class Workload:
                 compute()
             self.write(layer)
             if adapter is None:
+                self.stand_in[:1].sum()                   # the consumer's own kernels, over no workspace
                 continue
             if jax_events is not None:
                 start = torch.cuda.Event(enable_timing=True)
@@ -132,14 +142,14 @@ def _jax_ms_per_layer(work: Workload, adapter, trials: int) -> float:
     writes alone, per layer."""
     if adapter.events is None:
         writes = statistics.median(timed(lambda: work.layers(None), trials))
-        step = timed(lambda: work.layers(adapter), trials, before=lambda: adapter.begin_step(work.seq, work.q, work.table))
+        step = timed(lambda: work.layers(adapter), trials, before=lambda: work.begin_step(adapter))
         return (statistics.median(step) - writes) / len(work.caches)
     work.step(adapter)                                    # compiles: the GPU would idle inside the spans
     spans = []
     for _ in range(trials):
         events = []
-        adapter.begin_step(work.seq, work.q, work.table)
         torch.cuda.synchronize()
+        work.begin_step(adapter)
         work.layers(adapter, jax_events=events)
         torch.cuda.synchronize()
         spans += [s.elapsed_time(e) for s, e in events]
@@ -217,15 +227,16 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
                 for kind in kinds:
                     for x in compute_ms:
                         compute = computes[x][kind]
-                        compute_only = timed(lambda: work.layers(None, compute), trials)
+                        compute_only = timed(lambda: work.layers(None, compute), trials, before=compute)
                         x_ms = statistics.median(compute_only) / layers
                         by_depth = {}
                         for depth in depths:
                             host, begin = [], []
 
                             def begin_step(adapter=adapters[depth]):
+                                compute()                 # the previous step's tail
                                 t0 = time.perf_counter()
-                                adapter.begin_step(work.seq, work.q, work.table)
+                                work.begin_step(adapter)
                                 begin.append(time.perf_counter() - t0)
 
                             steps = timed(lambda: work.layers(adapters[depth], compute, host), trials,

@@ -19,6 +19,8 @@ own streams cannot be captured), so an engine can fall back to its stock path.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import torch
 
@@ -41,16 +43,22 @@ def check_not_capturing(what: str):
 def jax_device_of(tensor: torch.Tensor):
     """The JAX device holding `tensor`'s memory (for the bridge's device check)."""
     if tensor.device.type == "cuda":
-        devices = [d for d in jax.local_devices() if d.platform == "gpu"]
         index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
-        for d in devices:
-            if d.local_hardware_id == index:
-                return d
-        raise ValueError(f"tensor on cuda:{index}, but JAX has no local GPU with that id "
-                         f"(JAX GPUs: {[d.local_hardware_id for d in devices]})")
+        return _jax_gpu(index)
     if tensor.device.type == "cpu":
         return jax.local_devices(backend="cpu")[0]
     raise ValueError(f"tensor on {tensor.device}: expected a CUDA or CPU tensor")
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_gpu(index: int):
+    """JAX's local GPU of CUDA ordinal `index` (looked up once: the torch adapter asks per layer)."""
+    devices = [d for d in jax.local_devices() if d.platform == "gpu"]
+    for d in devices:
+        if d.local_hardware_id == index:
+            return d
+    raise ValueError(f"tensor on cuda:{index}, but JAX has no local GPU with that id "
+                     f"(JAX GPUs: {[d.local_hardware_id for d in devices]})")
 
 
 def check_tensor(name: str, tensor, device=None):

@@ -16,7 +16,8 @@ small programs with such a callback and accepts the handle only if
     whole program (XLA joins its side streams back into the compute stream at the end).
 
 With the handle, the per-layer ordering costs two event records and two waits
-(`StreamEvents`).  `storage_use_count` (torch) counts the views of a tensor's memory, so the
+(`StreamEvents`); the event torch waits on is recorded from inside the layer's program
+(`StreamSignal`), so the layer's work and its prefetches stay one dispatch.  `storage_use_count` (torch) counts the views of a tensor's memory, so the
 adapter can refuse to overwrite a ring slot that a caller still holds.
 """
 from __future__ import annotations
@@ -102,6 +103,7 @@ class StreamEvents:
         self.jax_stream = torch.cuda.ExternalStream(jax_stream, device=device)
         self._torch_done = torch.cuda.Event()
         self._jax_done = torch.cuda.Event()
+        self._signal = StreamSignal(self.jax_stream, jax_stream)
 
     def jax_after_torch(self, torch_stream: torch.cuda.Stream):
         """JAX work dispatched from now on runs after the work queued on `torch_stream` so far."""
@@ -112,6 +114,48 @@ class StreamEvents:
         """Work queued on `torch_stream` from now on runs after the JAX work dispatched so far."""
         self._jax_done.record(self.jax_stream)
         torch_stream.wait_event(self._jax_done)
+
+    @property
+    def signal(self) -> "StreamSignal":
+        """The in-program hook (`dcp_step.signal_when_ready`) whose event `torch_after_signal` waits on."""
+        return self._signal
+
+    def torch_after_signal(self, torch_stream: torch.cuda.Stream):
+        """Work queued on `torch_stream` from now on runs after the point where the program
+        dispatched last called `signal`; raises if it did not call it during its dispatch."""
+        self._signal.take()
+        torch_stream.wait_event(self._signal.event)
+
+
+class StreamSignal:
+    """Records its event on JAX's compute stream when a program calls it (through
+    `dcp_step.signal_when_ready`, on the dispatching thread).  Hashable by identity: a static
+    argument of the layer program, one compiled program per adapter.  `take` checks that exactly
+    one call happened since the last `take`, on the probed stream; anything else (an
+    asynchronous dispatch, another stream) raises instead of letting torch wait on a stale event."""
+
+    def __init__(self, jax_stream: torch.cuda.ExternalStream, handle: int):
+        self.event = torch.cuda.Event()
+        self._stream, self._handle = jax_stream, handle
+        self._calls = 0
+        self._wrong = None
+
+    def __call__(self, stream):
+        if stream != self._handle:
+            self._wrong = stream
+            return
+        self.event.record(self._stream)
+        self._calls += 1
+
+    def take(self):
+        calls, wrong = self._calls, self._wrong
+        self._calls, self._wrong = 0, None
+        if wrong is not None:
+            raise RuntimeError(f"the layer program ran on stream {wrong!r}, not on JAX's compute stream "
+                               f"0x{self._handle:x} that the adapter orders against")
+        if calls != 1:
+            raise RuntimeError(f"the layer program signalled {calls} times during its dispatch, expected once: "
+                               "JAX no longer enqueues a program on the dispatching thread")
 
 
 def storage_use_count(tensor: torch.Tensor) -> int:

@@ -97,13 +97,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_workers(script, extra_args, *, num=2, timeout=240, wait_for=None):
-    """Run `num` CPU-only JAX processes of tests/`script` with arguments (pid, num, port,
-    *extra_args(pid)); wait for those in `wait_for` (default all), then kill any still running.
+def run_workers(script, extra_args, *, num=2, timeout=240, wait_for=None, platform="cpu"):
+    """Run `num` JAX processes of tests/`script` with arguments (pid, num, port, *extra_args(pid))
+    on `platform` ("cpu", or "cuda": the worker picks its GPU); wait for those in `wait_for`
+    (default all), then kill any still running.
     Returns (processes, {pid: combined stdout and stderr of the awaited ones})."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    env["JAX_PLATFORMS"] = "cpu"
+    env["JAX_PLATFORMS"] = platform
+    if platform == "cuda":
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"      # two processes' JAX and torch share each GPU
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, script), str(pid), str(num), str(port),
                                *extra_args(pid)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -1,7 +1,10 @@
 """One rank of the 2-process torch-adapter test (run by test_interop_multiprocess.py): a torch
 engine process with one device, its own caches, and `TorchCkvAdapter` over `jax.distributed`.
 
-usage: python mp_adapter_worker.py PROCESS_ID NUM_PROCESSES PORT DEPTH OUT.npz
+usage: python mp_adapter_worker.py PROCESS_ID NUM_PROCESSES PORT DEPTH OUT.npz [cpu|cuda]
+
+cuda: process i drives GPU i (JAX's local device and torch's device), so the adapter takes its
+cuda-events ordering and each layer program's all-gather crosses the GPUs over NCCL.
 """
 import os
 import sys
@@ -19,30 +22,36 @@ LAYERS = 3
 def main():
     pid, nproc, port, depth, out = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]),
                                     sys.argv[5])
+    device = sys.argv[6] if len(sys.argv) > 6 else "cpu"
+    local = dict(local_device_ids=[pid]) if device == "cuda" else {}
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
-                               initialization_timeout=60)
+                               initialization_timeout=60, **local)
+    if device == "cuda":
+        torch.cuda.set_device(pid)
+        device = f"cuda:{pid}"
     import interop
     from ckv_jax import formats
     from ckv_jax.prefetch_config import GatherConfig
     from torch_engine_sim import STEPS, TorchEngine
 
-    engine = TorchEngine(nproc, pid, formats.get("fp8_ds_mla"), LAYERS)
+    engine = TorchEngine(nproc, pid, formats.get("fp8_ds_mla"), LAYERS, device=device)
     adapter = interop.TorchCkvAdapter(world_size=nproc, format="fp8_ds_mla", max_num_seqs=4, block_size=16,
                                       config=GatherConfig(enabled=True, depth=depth, workspace_mib=0,
                                                           min_tokens=1, max_tokens=512))
     saved = {}
     for s, (hist, q) in enumerate(STEPS):
         plan = engine.plan(hist, q)
-        assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table), plan.why
+        assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu()), plan.why
         for layer in range(LAYERS):
             kv, pe = engine.chunk(plan.num_tokens)
             engine.write(layer, plan, kv, pe)
             adapter.set_current_chunk(kv, pe)
             ws = adapter.gather(layer, engine.caches[layer])
-            saved[f"ws_{s}_{layer}"] = ws[:adapter.rows].numpy().copy()
-            saved[f"cache_{s}_{layer}"] = engine.caches[layer].numpy().copy()
+            saved[f"ws_{s}_{layer}"] = ws[:adapter.rows].cpu().numpy().copy()
+            saved[f"cache_{s}_{layer}"] = engine.caches[layer].cpu().numpy().copy()
             del ws
     saved["decisions"] = np.array([str(d) for d in adapter.orch.decisions])
+    saved["ordering"] = np.array(adapter.ordering)
     adapter.close()
     np.savez(out, **saved)
     jax.distributed.shutdown()

@@ -86,7 +86,8 @@ def test_prefetch_stays_exact_while_torch_writes_and_churns(depth, ordering, str
         for _ in range(2):
             for hist, q in STEPS:
                 plan = engine.plan(hist, q, min_world_size=1)
-                assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table)
+                table = engine.block_table if stream == "default" else engine.block_table.cpu()   # both kinds
+                assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), table)
                 got, want = [], []
                 for layer in range(layers):
                     kv, pe = engine.chunk(plan.num_tokens)
@@ -126,17 +127,23 @@ def test_the_event_path_is_on_and_uses_jax_compute_stream():
     assert adapter.ordering == "cuda-events"
     assert adapter.events.jax_stream.cuda_stream == seen[0] != 0
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), 3, device="cuda")
-    hist, q = STEPS[0]
-    plan = engine.plan(hist, q, min_world_size=1)
-    assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table)
     pool = {t.data_ptr() for ring in adapter.orch.pool._tensors for t in ring}
-    for layer in range(3):
-        kv, pe = engine.chunk(plan.num_tokens)
-        engine.write(layer, plan, kv, pe)
-        adapter.set_current_chunk(kv, pe)
-        ws = adapter.gather(layer, engine.caches[layer])
-        assert ws.data_ptr() in pool
-        del ws
+    for hist, q in STEPS:                    # the first step discovers the caches, the second prefetches
+        plan = engine.plan(hist, q, min_world_size=1)
+        assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu())
+        for layer in range(3):
+            kv, pe = engine.chunk(plan.num_tokens)
+            engine.write(layer, plan, kv, pe)
+            adapter.set_current_chunk(kv, pe)
+            ws = adapter.gather(layer, engine.caches[layer])
+            assert ws.data_ptr() in pool
+            with pytest.raises(RuntimeError, match="signalled 0 times"):    # the gather took its one signal
+                adapter.events.signal.take()
+            del ws
+    assert [how for _, _, how, _ in adapter.orch.decisions] == ["begin_step"] + ["prefetched"] * 3
+    adapter.events.signal(seen[0] + 1)       # a program on another stream is refused, not waited on
+    with pytest.raises(RuntimeError, match="not on JAX's compute stream"):
+        adapter.events.signal.take()
     adapter.close()
 
 
@@ -191,6 +198,14 @@ def test_the_gather_program_holds_no_copy_of_the_slot():
                                         implementation="pallas_triton", interpret=False).compile().as_text()
     assert copies_of_at_least(hlo, 8192 * 656) == []
     assert "ckv_gather_records" in hlo
+    slots = [placement.replicated(mesh, jnp.zeros((8192, 656), jnp.uint8))[0] for _ in range(2)]
+    arrays = dcp_step.step_arrays(plan, np.zeros((1, 128), np.int32), mesh, chunk_capacity=64)
+    kv, pe = jnp.ones((64, 512), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
+    hlo = dcp_step.layer_program.lower(slot, None, kv, pe, arrays, (cache, cache), tuple(slots), mesh=mesh,
+                                       layout=formats.get("fp8_ds_mla").layout, implementation="pallas_triton",
+                                       signal=lambda stream: None).compile().as_text()
+    assert copies_of_at_least(hlo, 8192 * 656) == []
+    assert hlo.count("ckv_gather_records") >= 2 and "callback" in hlo
 
 
 def test_no_host_synchronization_in_the_layer_loop():
@@ -210,9 +225,12 @@ def test_no_host_synchronization_in_the_layer_loop():
     records = [torch_records.encode("fp8_ds_mla", kv, pe).index_select(0, keep) for kv, pe in chunks]
     cycles = _sleep_cycles_per_ms() * 10
 
+    table = engine.block_table.cpu()
+
     def step():
-        adapter.begin_step(seq, qlen, engine.block_table)
+        torch.cuda._sleep(cycles)                              # queued first: a wait in begin_step would show
         start = time.perf_counter()
+        adapter.begin_step(seq, qlen, table)
         for layer in range(layers):
             torch.cuda._sleep(cycles)                          # 10 ms of queued torch work per layer
             engine.caches[layer].view(-1, 656).index_copy_(0, dest, records[layer])
@@ -232,8 +250,8 @@ def test_no_host_synchronization_in_the_layer_loop():
         torch.cuda.set_sync_debug_mode(0)
     gpu_start = time.perf_counter()
     torch.cuda.synchronize()
-    # any wait of the host on the GPU would last at least the 10 ms of the first layer's queued spin
-    assert host_ms < 10, f"the host took {host_ms:.1f} ms to enqueue {layers} layers of 10 ms each (begin_step aside)"
+    # any wait of the host on the GPU would last at least the 10 ms of the spin queued first
+    assert host_ms < 10, f"the host took {host_ms:.1f} ms to enqueue begin_step and {layers} layers of 10 ms each"
     assert (time.perf_counter() - gpu_start) * 1e3 > 30, "the GPU work should still have been queued"
     adapter.close()
 

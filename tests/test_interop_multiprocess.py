@@ -1,9 +1,10 @@
-"""Two torch engine processes (one CPU device each) joined by `jax.distributed`: the adapter's
-workspaces equal the single-process pure-JAX gather of both ranks' caches, and both ranks took
-the same decisions in the same order."""
+"""Two torch engine processes (one device each: a CPU, or a GPU each) joined by
+`jax.distributed`: the adapter's workspaces equal the single-process pure-JAX gather of both
+ranks' caches, and both ranks took the same decisions in the same order."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 from ckv_jax import full_ckv, placement
 from helpers import run_workers
@@ -13,14 +14,19 @@ from ckv_jax import formats
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("depth", [0, 2])
-def test_two_torch_processes_gather_what_one_jax_process_gathers(tmp_path, depth):
+def test_two_torch_processes_gather_what_one_jax_process_gathers(tmp_path, depth, platform):
+    if platform == "cuda" and not (torch.cuda.is_available() and torch.cuda.device_count() >= 2):
+        pytest.skip("needs two CUDA GPUs")
     outs = [tmp_path / f"rank{pid}.npz" for pid in range(2)]
-    procs, logs = run_workers("mp_adapter_worker.py", lambda pid: [str(depth), str(outs[pid])])
+    procs, logs = run_workers("mp_adapter_worker.py", lambda pid: [str(depth), str(outs[pid]), platform],
+                              platform=platform)
     for pid, p in enumerate(procs):
         assert p.returncode == 0, logs[pid][-3000:]
     ranks = [np.load(out) for out in outs]
     np.testing.assert_array_equal(ranks[0]["decisions"], ranks[1]["decisions"])
+    assert all(str(r["ordering"]) == ("cuda-events" if platform == "cuda" else "dlpack") for r in ranks)
     from helpers import mesh_of
     mesh = mesh_of(2)
     engine = TorchEngine(2, 0, formats.get("fp8_ds_mla"), 1)

@@ -1,4 +1,7 @@
 """The per-layer prefetch orchestrator: upstream's checklist (upstream-system.md 7.2) in JAX terms."""
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -125,10 +128,14 @@ def test_every_depth_gives_the_synchronous_bytes_over_chunked_steps(d, fmt):
                 np.testing.assert_array_equal(ws, want, err_msg=f"depth {depth} step {s} layer {l}")
             per_step.append(list(engine.orch.decisions))
         results[depth] = per_step
-    # the first step only discovers caches; later steps prefetch depth layers ahead
+    # the first step only discovers caches; later steps prefetch the first depth layers at
+    # begin_step and then depth layers ahead of each call
     assert all(how == "sync" and not targets for _, _, how, targets in results[2][0])
-    assert [how for _, _, how, _ in results[2][1]] == ["sync", "prefetched", "prefetched", "prefetched"]
-    assert results[2][1][0][3] == (1, 2) and results[3][1][0][3] == (1, 2, 3)
+    assert results[2][1] == [("target", None, "begin_step", (0, 1)), ("target", 0, "prefetched", (2,)),
+                             ("target", 1, "prefetched", (3,)), ("target", 2, "prefetched", ()),
+                             ("target", 3, "prefetched", ())]
+    assert results[3][1][0] == ("target", None, "begin_step", (0, 1, 2))
+    assert [how for _, _, how, _ in results[0][1]] == ["sync"] * LAYERS
 
 
 def test_interrupted_step_recovers_without_consuming_a_stale_slot():
@@ -153,8 +160,10 @@ def test_begin_step_drops_prefetches_of_an_unfinished_step():
     engine.step(hist, q, layers=[0])                            # layers 1..3 prefetched, never consumed
     assert engine.orch.lane("target").pending
     plan = build_step_plan(engine.layout, hist + q, q, max_num_seqs=4, min_tokens=1)
-    engine.orch.begin_step(plan, engine.layers[0].block_table)
+    engine.orch.begin_step(plan, engine.layers[0].block_table, prefetch=False)
     assert not engine.orch.lane("target").pending and engine.orch.decisions == []
+    engine.orch.begin_step(plan, engine.layers[0].block_table)    # the new step's own first prefetches
+    assert engine.orch.decisions == [("target", None, "begin_step", (0, 1, 2))]
     out = engine.run_layers(plan, hist, q, range(LAYERS))
     for l, ws in enumerate(out):
         np.testing.assert_array_equal(ws, dcp_scenario.expected_workspace(engine.layers[l], seq_lens=hist + q,
@@ -230,6 +239,120 @@ def test_a_bounded_prefetch_pack_gives_the_same_bytes():
         for l, ws in enumerate(workspaces):
             want = dcp_scenario.expected_workspace(engine.layers[l], seq_lens=hist + q, plan=plan)
             np.testing.assert_array_equal(ws, want, err_msg=f"step {s} layer {l}")
-    assert [how for _, _, how, _ in engine.orch.decisions] == ["sync", "prefetched", "prefetched", "prefetched"]
+    assert [how for _, _, how, _ in engine.orch.decisions] == ["begin_step"] + ["prefetched"] * LAYERS
     with pytest.raises(ValueError, match="programs: expected a positive number"):
         dcp_step.bounded_pack_tiles(-1)
+
+
+class CountingSignal:
+    """A layer-program signal that records the stream handle of every call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, stream):
+        self.calls.append(stream)
+
+
+def test_a_signal_fires_once_per_layer_between_its_own_work_and_the_prefetches():
+    """With a signal every call is one program that calls it once per device (no stream handle
+    off a GPU), and the bytes are the synchronous ones."""
+    signal = CountingSignal()
+    engine = Engine(2, "fp8_ds_mla", depth=2)
+    for s, (hist, q) in enumerate(STEPS):
+        plan = build_step_plan(engine.layout, hist + q, q, max_num_seqs=4, min_tokens=1)
+        engine.orch.begin_step(plan, engine.layers[0].block_table)
+        for l in range(LAYERS):
+            kv, pe = engine.chunk(l, hist, q)
+            engine.write(l, plan, kv, pe)
+            before = len(signal.calls)
+            ws = jax.block_until_ready(engine.orch.gather(l, engine.caches[l], kv, pe, signal=signal))
+            assert signal.calls[before:] == [None] * 2, f"step {s} layer {l}"
+            want = dcp_scenario.expected_workspace(engine.layers[l], seq_lens=hist + q, plan=plan)
+            np.testing.assert_array_equal(np.asarray(jnp.copy(ws))[:len(want)], want, err_msg=f"step {s} layer {l}")
+    for extra in (dict(ready=lambda ws: None), dict(after=kv)):
+        with pytest.raises(ValueError, match="signal: the in-program signal needs the call's work in one program"):
+            engine.orch.gather(0, engine.caches[0], kv, pe, signal=signal, **extra)
+
+
+def _entry_instructions(hlo_text):
+    """name -> (position, operand names) of the scheduled ENTRY computation of an optimized module."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    out = {}
+    for i, line in enumerate(entry.splitlines()[1:]):
+        m = re.match(r"\s*(?:ROOT )?(%[\w.-]+) = .*?[\w-]+\((.*?)\)", line)
+        if m:
+            out[m.group(1)] = (i, re.findall(r"%[\w.-]+", m.group(2)), line)
+    return out
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_the_layer_program_signals_after_its_patch_and_before_its_prefetches(d):
+    """In the compiled program the callback follows the patch of the layer's own slot, and every
+    instruction that reads a prefetched layer's cache depends on the callback's output, so no
+    schedule can move any part of a prefetch ahead of the signal; and no slot is copied (see
+    `test_a_gather_writes_straight_into_its_ring_slot` for the all-gather's rows)."""
+    mesh = mesh_of(d)
+    fmt = formats.get("fp8_ds_mla")
+    slots = [placement.replicated(mesh, jnp.zeros((d * 1024, 656), jnp.uint8))[0] for _ in range(3)]
+    cache = placement.place_caches([np.zeros((8, 64, 656), np.uint8)] * d, mesh)
+    plan = build_step_plan(DcpLayout(d, 1, 64), np.array([200 * d]), np.array([32]), min_world_size=1)
+    arrays = dcp_step.step_arrays(plan, np.zeros((1, 8), np.int32), mesh, chunk_capacity=64)
+    kv, pe = jnp.ones((64, 512), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
+    hlo = dcp_step.layer_program.lower(slots[0], None, kv, pe, arrays, (cache, cache), tuple(slots[1:]),
+                                       mesh=mesh, layout=fmt.layout, implementation="xla",
+                                       signal=CountingSignal()).compile().as_text()
+    moved = copies_of_at_least(hlo, d * 1024 * 656)
+    assert not [c for c in moved if "dynamic-update-slice" not in c], moved     # no copy of a slot
+    assert len(moved) == (0 if d == 1 else 2), moved     # D > 1: each all-gather's rows, once
+    traced = jax.make_jaxpr(lambda *a: dcp_step.layer_program(*a, mesh=mesh, layout=fmt.layout,
+                                                              implementation="xla", signal=CountingSignal()))(
+        slots[0], None, kv, pe, arrays, (cache, cache), tuple(slots[1:]))
+    assert not traced.effects        # an effect would cost every call jax's slow dispatch path
+    ins = _entry_instructions(hlo)
+    callbacks = [n for n, (_, _, line) in ins.items() if "custom-call(" in line and "callback" in line]
+    assert len(callbacks) == 1, callbacks
+    callback = callbacks[0]
+
+    def ancestors(name, seen=None):
+        seen = set() if seen is None else seen
+        for op in ins.get(name, (0, [], ""))[1]:
+            if op not in seen:
+                seen.add(op)
+                ancestors(op, seen)
+        return seen
+
+    cache_params = [n for n, (_, _, line) in ins.items() if 'op_name="prefetch_caches' in line]
+    assert len(cache_params) == 2, cache_params
+    readers = [n for n, (_, ops, _) in ins.items() if set(ops) & set(cache_params)]
+    assert readers and all(callback in ancestors(n) for n in readers), readers
+    assert all(ins[n][0] > ins[callback][0] for n in readers)
+    root = [n for n, (_, _, line) in ins.items() if line.lstrip().startswith("ROOT")][0]
+    patched = ins[root][1][0]
+    assert patched in ancestors(callback)
+
+
+def test_chunk_buffers_larger_than_the_step_patch_the_same_bytes():
+    """A chunk passed in buffers of more rows than the step has tokens (the torch bridge's
+    persistent buffers), whose extra rows hold junk, patches exactly the step's tokens."""
+    engine = Engine(2, "nvfp4_ds_mla", depth=1)
+    engine.step(*STEPS[0])
+    hist, q = STEPS[1]
+    plan = build_step_plan(engine.layout, hist + q, q, max_num_seqs=4, min_tokens=1)
+    capacity = plan.num_tokens + 13
+    engine.orch.begin_step(plan, engine.layers[0].block_table, chunk_capacity=capacity)
+    junk = np.random.default_rng(0)
+    for l in range(LAYERS):
+        kv, pe = engine.chunk(l, hist, q)
+        engine.write(l, plan, kv, pe)
+        kv_big = jnp.concatenate([kv, jnp.asarray(junk.standard_normal((13, 512)) * 9, kv.dtype)])
+        pe_big = jnp.concatenate([pe, jnp.asarray(junk.standard_normal((13, 64)) * 9, pe.dtype)])
+        if l:          # layer 0's patch is checked against the step's T rows below
+            with pytest.raises(ValueError, match=rf"kv_c: expected \[{capacity}, 512\] \(the chunk buffers' rows\)"):
+                engine.orch.gather(l, engine.caches[l], kv, pe)
+            engine.orch.enter_layer(l - 1)        # the refused call entered layer l: step back
+        ws = engine.orch.gather(l, engine.caches[l], kv_big, pe_big)
+        want = dcp_scenario.expected_workspace(engine.layers[l], seq_lens=hist + q, plan=plan)
+        np.testing.assert_array_equal(np.asarray(jnp.copy(ws))[:len(want)], want, err_msg=f"layer {l}")
+    with pytest.raises(ValueError, match="chunk_capacity: expected an int >= the step's"):
+        dcp_step.step_arrays(plan, engine.layers[0].block_table, engine.mesh, chunk_capacity=plan.num_tokens - 1)

@@ -1,14 +1,14 @@
 """Host cost of the pieces of one torch-adapter layer on a GPU, each alone in a loop (median of
-300 calls, host clock): the gather and patch dispatches, a trivial donated jit, the event
-hand-offs, the chunk copy and the slot lookup.  With --loop instead: a cProfile of the adapter's
-layer loop (depth 2, 1M-token history, 8 layers; five steps, without and with 4 ms of
-`torch.cuda._sleep` per layer queued ahead), where the pieces cost what they cost in place.
+300 calls, host clock): the gather, patch and fused layer-program dispatches, a trivial donated
+jit, the event hand-offs, the chunk copy and the slot lookup.  With --loop instead: the host time of each
+piece where it runs, timed around each call inside the adapter's layer loop (`loop_split`),
+where the pieces cost what they cost in place.
 
     python tools/adapter_dispatch_probe.py [--loop]
 """
-import cProfile
+import collections
+import functools
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -69,6 +69,20 @@ def main():
     rows.append(("gather_program compiled", median_us(lambda: slot.call(gather, program=compiled))))
     kv_c, k_pe = placement.replicated(orch.mesh, jnp.zeros((4096, 512), jnp.bfloat16),
                                      jnp.zeros((4096, 64), jnp.bfloat16))
+    two = Donated((slot.array, ring[1]))
+    chunk = placement.replicated(orch.mesh, jnp.zeros((arrays.chunk_rows.shape[0], 512), jnp.bfloat16),
+                                 jnp.zeros((arrays.chunk_rows.shape[0], 64), jnp.bfloat16))
+
+    def layer(slots, signal):
+        ws, (prefetched,), _ = dcp_step.layer_program(slots[0], None, *chunk, arrays, (cache,), (slots[1],),
+                                                   mesh=orch.mesh, layout=orch.fmt.layout, signal=signal)
+        return ws, prefetched
+
+    signal = adapter.events.signal
+    rows.append(("layer_program patch + 1 prefetch, signal", median_us(
+        lambda: (two.call(layer, signal), signal.take()))))
+    rows.append(("layer_program patch + 1 prefetch, no signal", median_us(lambda: two.call(layer, None))))
+    slot.array, ring[1] = two.array
     rows.append(("patch_program jit", median_us(
         lambda: slot.call(dcp_step.patch_program, kv_c, k_pe, arrays.chunk_rows, None, layout=orch.fmt.layout,
                           device=placement.mesh_device(orch.mesh)))))
@@ -91,28 +105,54 @@ def main():
         print(f"{name:<40} {us:8.1f} us")
 
 
-def loop_profile():
+def _timed(owner, name: str, label: str, times: dict):
+    """Wrap owner.name so that each call's host time is appended to times[label]."""
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            times[label].append(time.perf_counter() - start)
+
+    setattr(owner, name, wrapper)
+
+
+def loop_split():
+    """Host time of each piece of the adapter's calls where they run: in the bench's layer loop
+    (depth 2, 1M-token history, 8 layers, 4 ms of `torch.cuda._sleep` per layer), six steps."""
+    from ckv_jax import prefetch
+    from interop import adapter as adapter_module, bridge, stream_handoff
+    times = collections.defaultdict(list)
+    pieces = [(adapter_module.TorchCkvAdapter, n, "adapter." + n)
+              for n in ("set_current_chunk", "gather", "_cache", "_chunk_on_device", "_require_step")]
+    pieces += [(prefetch.PrefetchOrchestrator, n, "orchestrator." + n) for n in ("gather", "_dispatch", "_into_slots")]
+    pieces += [(dcp_step, n, "dcp_step." + n) for n in ("check_chunk", "check_caches", "layer_program")]
+    pieces += [(stream_handoff.StreamEvents, n, "events." + n) for n in ("jax_after_torch", "torch_after_signal")]
+    pieces += [(bridge, "check_tensor", "bridge.check_tensor"), (prefetch, "target_layers", "prefetch.target_layers")]
+    pieces += [(adapter_module.TorchWorkspacePool, n, "pool." + n) for n in ("tensor_of", "check_writable")]
+    for owner, name, label in pieces:
+        _timed(owner, name, label, times)
     work = Workload(1 << 20, 4096, 8)
     adapter = work.adapter(2)
     sleep = bench.compute_kernels(4.0)["sleep"]
     for _ in range(3):                       # discover the caches, compile, warm up
         work.step(adapter, sleep)
     torch.cuda.synchronize()
-    for label, compute in (("no compute", None), ("sleep 4 ms", sleep)):
-        host = []
-        prof = cProfile.Profile()
-        for i in range(6):
-            adapter.begin_step(work.seq, work.q, work.table)
-            if i:                            # the first step is a warm-up
-                prof.enable()
-            work.layers(adapter, compute, host)
-            if i:
-                prof.disable()
-            torch.cuda.synchronize()
-        print(f"== {label}: host us per layer median {1e6 * statistics.median(host):.0f}, "
-              f"min {1e6 * min(host):.0f}, max {1e6 * max(host):.0f}")
-        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(22)
+    times.clear()
+    host = []
+    for _ in range(6):
+        work.begin_step(adapter)
+        work.layers(adapter, sleep, host)
+        torch.cuda.synchronize()
+    print(f"host us per layer (set_current_chunk + gather): median {1e6 * statistics.median(host):.0f}, "
+          f"min {1e6 * min(host):.0f}, max {1e6 * max(host):.0f}")
+    for label, ts in sorted(times.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {label:<34} calls {len(ts):4d}  median {1e6 * statistics.median(ts):7.1f} us  "
+              f"max {1e6 * max(ts):8.1f} us")
 
 
 if __name__ == "__main__":
-    loop_profile() if sys.argv[1:] == ["--loop"] else main()
+    loop_split() if sys.argv[1:] == ["--loop"] else main()

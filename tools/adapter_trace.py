@@ -10,7 +10,8 @@ panel per depth, a lane per stream and a bar per kernel; the JSON lists the kern
 (stream, name, start and duration in us from the step's first GPU activity).
 --code DIR puts DIR first on the import path for ckv_jax / interop / pallas_kernels, while the
 workload still comes from this checkout's interop/bench.py (it uses only the adapter's public
-calls), so two versions of the adapter run the same step.
+calls, and passes `begin_step` a host block table), so two versions of the adapter run the same
+step.
 """
 from __future__ import annotations
 
@@ -105,9 +106,9 @@ def main(argv=None) -> int:
         with torch.cuda.stream(side):
             for _ in range(2):                    # the first step discovers the caches, the second compiles
                 work.step(adapter, sleep)
-            adapter.begin_step(work.seq, work.q, work.table)
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                work.begin_step(adapter)                # its prefetches belong to the step
                 work.layers(adapter, sleep)
                 torch.cuda.synchronize()
         with tempfile.TemporaryDirectory() as tmp:
@@ -118,8 +119,9 @@ def main(argv=None) -> int:
         panels[f"depth {depth} ({ordering}): {len(ks)} GPU activities"] = ks
         listing[f"depth{depth}"] = ks
         adapter.close()
+    packs = "full-grid" if args.prefetch_programs is None else f"{args.prefetch_programs}-program"
     title = args.label or (f"{args.layers} layers, {args.history} history + {args.chunk} chunk tokens, "
-                           f"sleep {args.sleep_ms} ms/layer on a torch side stream")
+                           f"sleep {args.sleep_ms} ms/layer on torch's {args.stream} stream, {packs} prefetch packs")
     plot(panels, args.out + ".png", title)
     with open(args.out + ".json", "w") as f:
         json.dump(dict(title=title, code=os.path.abspath(args.code), kernels=listing), f)
