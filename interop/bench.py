@@ -166,7 +166,8 @@ def timed(fn, trials: int, warmup: int = 2, before=None) -> list[float]:
 
 def pack_bandwidth(work: Workload, programs, calls: int = 20) -> list[dict]:
     """The pack of one layer's history alone (GB/s of bytes read + written, CUDA events on JAX's
-    stream around `calls` calls): the full grid and persistent grids of `programs` programs
+    stream around `calls` calls), written into a donated buffer as a prefetch writes its ring
+    slot: the full grid and persistent grids of `programs` programs
     (`ckv_jax.dcp_step.bounded_pack_tiles`), beside a torch device copy of the same bytes."""
     adapter = work.adapter(1)
     stream = adapter.events.jax_stream
@@ -175,17 +176,19 @@ def pack_bandwidth(work: Workload, programs, calls: int = 20) -> list[dict]:
     cu = jax.device_put(np.array([0, int(work.seq[0])], np.int32), adapter.device)     # the whole request
     rows = work.plan.padded_tokens
     moved = 2 * rows * FMT.record_bytes
+    slot = jax.device_put(np.zeros((rows, FMT.record_bytes), np.uint8), adapter.device)
     out = []
     for n in [0] + list(programs):
         tiles = None if n == 0 else dcp_step.bounded_pack_tiles(n)
-        pack = jax.jit(lambda c, t, u, tiles=tiles: paged_gather.gather_records(c, t, u, num_rows=rows, config=tiles))
-        jax.block_until_ready(pack(cache, table, cu))
+        pack = jax.jit(lambda c, t, u, o, tiles=tiles: paged_gather.gather_records(
+            c, t, u, num_rows=rows, out=o, config=tiles, device=adapter.device), donate_argnums=3)
+        slot = jax.block_until_ready(pack(cache, table, cu, slot))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         for _ in range(calls):
-            res = pack(cache, table, cu)
+            slot = pack(cache, table, cu, slot)
         end.record(stream)
-        jax.block_until_ready(res)
+        jax.block_until_ready(slot)
         end.synchronize()
         us = start.elapsed_time(end) * 1e3 / calls
         out.append(dict(programs=n, tiles=str(tiles), us=us, gbps=moved / us / 1e3))
