@@ -275,7 +275,8 @@ def patch_program(workspace, kv_c, k_pe, rows, after=None, *, layout: RecordLayo
 
 
 def signal_when_ready(x, signal, *, platform: str, passing: tuple = ()) -> tuple:
-    """`passing`, unchanged, after a host callback that calls `signal(stream)` once `x` is ready:
+    """(token u8[1], *passing): `passing` unchanged, after a host callback that calls
+    `signal(stream)` once `x` is ready:
     `stream` is the handle (an int) of the GPU stream the program runs on (None on other
     platforms).  On a GPU the callback runs on the host thread that dispatches the program, while
     its kernels are being enqueued, after the kernels `x` depends on and before every kernel that
@@ -283,8 +284,8 @@ def signal_when_ready(x, signal, *, platform: str, passing: tuple = ()) -> tuple
 
     The arrays of `passing` go through the callback as aliased operands (a parameter the program
     does not own is copied first: pass small ones): a true data dependency, which XLA's
-    scheduler keeps (it drops an optimization barrier's order).  Returns (token u8[1], *passing);
-    the program must output the token or use what passed, or XLA removes the callback.  (Marked
+    scheduler keeps (it drops an optimization barrier's order).  The program must output the
+    token or use what passed, or XLA removes the callback.  (Marked
     as a side effect instead, it would cost every call jax's slow Python dispatch path.)
     """
     from jax.experimental.buffer_callback import buffer_callback     # jax's semi-private GPU stream access
@@ -334,8 +335,8 @@ def layer_program(slot, cache, kv_c, k_pe, arrays: StepArrays, prefetch_caches=(
         if workspace is None:
             raise ValueError("signal: marks the layer's own workspace, but slot is None (no workspace)")
         # every prefetch's pack reads local_cu: passed through the signal, it makes them follow
-        # it.  In a shard_map, so that each device's program calls it once (a side effect needs
-        # a placement)
+        # it.  In a shard_map: XLA's partitioner needs the callback placed, and each device's
+        # program then calls it once
         signalled = functools.partial(signal_when_ready, signal=signal, platform=device.platform)
         token, local_cu = jax.shard_map(lambda w, cu: signalled(w, passing=(cu,)), mesh=mesh, in_specs=(P(), P()),
                                         out_specs=(P(), P()), check_vma=False)(workspace, arrays.local_cu)
