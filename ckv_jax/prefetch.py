@@ -253,8 +253,10 @@ class PrefetchOrchestrator:
         torch's current stream); these calls dispatch `dcp_step.gather_program` and
         `patch_program`.
         signal: a static hashable callable the program calls, in stream order, between the
-        layer's own work and the prefetches (`dcp_step.signal_when_ready`): a consumer on another
-        stream waits on what it records and so never waits for the prefetches.
+        layer's own work and the prefetches (`dcp_step.signal_when_ready`, once per device, with
+        the program's stream): a consumer on another stream waits on what it records and so never
+        waits for the prefetches.  A call without prefetches calls it once on the host right
+        after the dispatch instead, with stream None (the program ends with the own work).
         ready: the host-side form of the same hook, for consumers that wait through an export:
         called with the workspace once its own computation is dispatched; the prefetches are then
         dispatched separately, after it.
@@ -298,7 +300,13 @@ class PrefetchOrchestrator:
         `targets`: one program, or with `ready` / `after` the own work, ready(workspace), then
         each prefetch, as programs that take `after`."""
         if ready is None and after is None:
-            return self._dispatch(state, index, own_cache, kv_c, k_pe, targets, signal)
+            if targets or signal is None:
+                return self._dispatch(state, index, own_cache, kv_c, k_pe, targets, signal)
+            # nothing follows the own work in its program: the host marks the same point right
+            # after the dispatch, which saves the in-program callback
+            ws = self._dispatch(state, index, own_cache, kv_c, k_pe, (), None)
+            signal(None)
+            return ws
         ws = self._dispatch_after(state, index, own_cache, kv_c, k_pe, after)
         if ready is not None:
             ready(ws)

@@ -141,7 +141,9 @@ class StreamSignal:
         self._wrong = None
 
     def __call__(self, stream):
-        if stream != self._handle:
+        """From a program: `stream` is its stream.  From the host right after a dispatch (a call
+        without prefetches): None, and the event marks the end of what JAX's stream holds."""
+        if stream is not None and stream != self._handle:
             self._wrong = stream
             return
         self.event.record(self._stream)

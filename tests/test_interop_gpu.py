@@ -114,6 +114,34 @@ def test_prefetch_stays_exact_while_torch_writes_and_churns(depth, ordering, str
     adapter.close()
 
 
+def test_chunk_buffers_grow_with_the_step_and_stay_exact():
+    """The persistent chunk buffers: after a first step that discovers the caches, a 6-token step
+    (buffers of 8 rows), a 58-token step (re-allocated and re-imported at 64 rows) and a 37-token
+    step (reused, rows past 37 stale), each layer's workspace exact, at depth 2 (every layer
+    patched from the buffers)."""
+    layers = 3
+    engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
+    adapter = _adapter(2)
+    mesh = jax.make_mesh((1,), (placement.DCP_AXIS,), devices=jax.devices()[:1])
+    small = (STEPS[0][0], np.array([2, 2, 2]))      # a pure prefill needs two query tokens per request
+    rows = []
+    for hist, q in [small, small] + list(STEPS):
+        plan = engine.plan(hist, q, min_world_size=1)
+        assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu())
+        for layer in range(layers):
+            kv, pe = engine.chunk(plan.num_tokens)
+            engine.write(layer, plan, kv, pe)
+            adapter.set_current_chunk(kv, pe)
+            ws = adapter.gather(layer, engine.caches[layer])[:adapter.rows].clone()
+            want = full_ckv.all_gather_ckv(placement.place_caches([engine.caches[layer].cpu().numpy()], mesh),
+                                           jnp.asarray(engine.table_host), plan, mesh=mesh, format="fp8_ds_mla")
+            np.testing.assert_array_equal(ws.cpu().numpy(), np.asarray(want), err_msg=f"T {plan.num_tokens} layer {layer}")
+        rows.append(sorted({buffer.shape[0] for buffer, _ in adapter._chunk_buffers.values()}))
+    assert rows == [[], [8], [64], [64]]
+    assert [how for _, _, how, _ in adapter.orch.decisions] == ["begin_step"] + ["prefetched"] * layers
+    adapter.close()
+
+
 def test_the_event_path_is_on_and_uses_jax_compute_stream():
     """The overlap mechanism is really in use: the stream JAX's programs run on (as a
     buffer_callback sees it, in a program of this test) is the one the adapter orders against,

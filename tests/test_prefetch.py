@@ -256,7 +256,8 @@ class CountingSignal:
 
 def test_a_signal_fires_once_per_layer_between_its_own_work_and_the_prefetches():
     """With a signal every call is one program that calls it once per device (no stream handle
-    off a GPU), and the bytes are the synchronous ones."""
+    off a GPU), or, without prefetches, the host calls it once after the dispatch; the bytes
+    are the synchronous ones."""
     signal = CountingSignal()
     engine = Engine(2, "fp8_ds_mla", depth=2)
     for s, (hist, q) in enumerate(STEPS):
@@ -267,7 +268,8 @@ def test_a_signal_fires_once_per_layer_between_its_own_work_and_the_prefetches()
             engine.write(l, plan, kv, pe)
             before = len(signal.calls)
             ws = jax.block_until_ready(engine.orch.gather(l, engine.caches[l], kv, pe, signal=signal))
-            assert signal.calls[before:] == [None] * 2, f"step {s} layer {l}"
+            in_program = bool(engine.orch.decisions[-1][3])      # this call prefetched
+            assert signal.calls[before:] == [None] * (2 if in_program else 1), f"step {s} layer {l}"
             want = dcp_scenario.expected_workspace(engine.layers[l], seq_lens=hist + q, plan=plan)
             np.testing.assert_array_equal(np.asarray(jnp.copy(ws))[:len(want)], want, err_msg=f"step {s} layer {l}")
     for extra in (dict(ready=lambda ws: None), dict(after=kv)):
