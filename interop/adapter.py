@@ -138,6 +138,7 @@ class TorchCkvAdapter:
         self._chunk = None
         self._chunk_rows = 0               # cuda-events: rows of the persistent chunk buffers
         self._chunk_buffers: dict = {}     # cuda-events: (dtype, width) -> (torch buffer, its JAX array)
+        self._chunk_views: dict = {}       # cuda-events: (dtype, width) -> this step's rows of that buffer
         self._keepalive: list = []         # torch tensors JAX may still read this step
 
     def _stream_events(self, ordering):
@@ -208,10 +209,17 @@ class TorchCkvAdapter:
     def set_current_chunk(self, kv_c: torch.Tensor, k_pe: torch.Tensor):
         """The current chunk's latents of all T tokens of the step (every rank holds them all),
         for the patch of the next `gather`: kv_c bf16[T, 512] and k_pe bf16[T, 64] on this GPU.
-        Checked now; read by `gather` (so torch may keep writing them until then)."""
+        Checked now; read by `gather` (so torch may keep writing them until then).  With the
+        cuda-events ordering torch copies them into the adapter's buffers, so views of any
+        strides pass (vLLM's split of one [T, 576] projection); the DLPack path imports them and
+        needs them compact."""
         self._require_step("set_current_chunk")
-        bridge.check_tensor("kv_c", kv_c, self.device)
-        bridge.check_tensor("k_pe", k_pe, self.device)
+        if self.events is None:
+            bridge.check_tensor("kv_c", kv_c, self.device)
+            bridge.check_tensor("k_pe", k_pe, self.device)
+        else:
+            _check_copied("kv_c", kv_c, KV_C_DTYPES, self.events.device)
+            _check_copied("k_pe", k_pe, (torch.bfloat16,), self.events.device)
         self._chunk = (kv_c, k_pe)
 
     def gather(self, layer_idx: int | None, kv_cache: torch.Tensor, *, lane="target",
@@ -266,7 +274,10 @@ class TorchCkvAdapter:
                 buf = torch.empty((self._chunk_rows, t.shape[1]), dtype=t.dtype, device=self.events.device)
                 held = self._chunk_buffers[key] = (buf, _replicated_on(
                     self.mesh, bridge.to_jax(buf, name=name, device=self.device)))
-            held[0][:rows].copy_(t)
+            view = self._chunk_views.get(key)
+            if view is None:                  # the step's first T rows, sliced once per step
+                view = self._chunk_views[key] = held[0][:rows]
+            view.copy_(t)
             out.append(held[1])
         return out
 
@@ -322,7 +333,24 @@ class TorchCkvAdapter:
             for ws in self.orch.in_flight():
                 bridge.to_torch(ws.addressable_data(0), name="in-flight workspace")
         self._keepalive.clear()
+        self._chunk_views.clear()
         self._chunk = None
+
+
+KV_C_DTYPES = (torch.bfloat16, torch.float16, torch.float32)     # the writer's latent dtypes
+
+
+def _check_copied(name: str, tensor, dtypes, device: torch.device):
+    """A tensor torch will copy on this device: type, dtype, device and grad (no layout rule)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in dtypes:
+        raise TypeError(f"{name}: expected one of {[str(d).replace('torch.', '') for d in dtypes]}, "
+                        f"got {tensor.dtype}")
+    if tensor.device != device:
+        raise ValueError(f"{name}: on {tensor.device}, expected {device} (the adapter's GPU)")
+    if tensor.requires_grad:
+        raise ValueError(f"{name}: requires grad; pass tensor.detach()")
 
 
 def _host_ints(name, x) -> np.ndarray:

@@ -131,6 +131,9 @@ def test_adapter_remaps_topk_and_takes_the_stock_path_when_ineligible():
     assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table)
     with pytest.raises(RuntimeError, match="set_current_chunk"):
         adapter.gather(0, engine.caches[0])
+    both = torch.cat(engine.chunk(plan.num_tokens), dim=1)           # the DLPack path imports: compact only
+    with pytest.raises(ValueError, match="kv_c: a non-compact view"):
+        adapter.set_current_chunk(both[:, :512], both[:, 512:])
     topk = torch.tensor(np.minimum(np.arange(8)[None, :] * 3, plan.positions()[:, None]), dtype=torch.int32)
     idx, cnt = adapter.remap_topk(topk)
     want_idx, want_cnt = full_ckv.remap_topk(jnp.asarray(topk.numpy()), plan)

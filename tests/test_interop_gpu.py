@@ -118,7 +118,7 @@ def test_chunk_buffers_grow_with_the_step_and_stay_exact():
     """The persistent chunk buffers: after a first step that discovers the caches, a 6-token step
     (buffers of 8 rows), a 58-token step (re-allocated and re-imported at 64 rows) and a 37-token
     step (reused, rows past 37 stale), each layer's workspace exact, at depth 2 (every layer
-    patched from the buffers)."""
+    patched from the buffers).  The 58-token step's latents come as strided views."""
     layers = 3
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
     adapter = _adapter(2)
@@ -131,6 +131,10 @@ def test_chunk_buffers_grow_with_the_step_and_stay_exact():
         for layer in range(layers):
             kv, pe = engine.chunk(plan.num_tokens)
             engine.write(layer, plan, kv, pe)
+            if q is STEPS[0][1]:              # as vLLM hands them: strided views of one [T, 576] tensor
+                both = torch.cat([kv, pe], dim=1)
+                kv, pe = both[:, :512], both[:, 512:]
+                assert not kv.is_contiguous()
             adapter.set_current_chunk(kv, pe)
             ws = adapter.gather(layer, engine.caches[layer])[:adapter.rows].clone()
             want = full_ckv.all_gather_ckv(placement.place_caches([engine.caches[layer].cpu().numpy()], mesh),
@@ -138,6 +142,10 @@ def test_chunk_buffers_grow_with_the_step_and_stay_exact():
             np.testing.assert_array_equal(ws.cpu().numpy(), np.asarray(want), err_msg=f"T {plan.num_tokens} layer {layer}")
         rows.append(sorted({buffer.shape[0] for buffer, _ in adapter._chunk_buffers.values()}))
     assert rows == [[], [8], [64], [64]]
+    with pytest.raises(TypeError, match=r"k_pe: expected one of \['bfloat16'\], got torch.float32"):
+        adapter.set_current_chunk(kv, pe.float())
+    with pytest.raises(ValueError, match="kv_c: on cpu, expected cuda:0"):
+        adapter.set_current_chunk(kv.cpu(), pe)
     assert [how for _, _, how, _ in adapter.orch.decisions] == ["begin_step"] + ["prefetched"] * layers
     adapter.close()
 
