@@ -274,30 +274,28 @@ def patch_program(workspace, kv_c, k_pe, rows, after=None, *, layout: RecordLayo
                        interpret=interpret, device=device)
 
 
-def signal_when_ready(x, signal, *, platform: str, passing: tuple = ()) -> tuple:
-    """(token u8[1], *passing): `passing` unchanged, after a host callback that calls
-    `signal(stream)` once `x` is ready:
-    `stream` is the handle (an int) of the GPU stream the program runs on (None on other
+def signal_when_ready(arrays: tuple, signal, *, platform: str) -> tuple:
+    """`arrays`, unchanged, after a host callback that calls `signal(stream)` once they are
+    ready: `stream` is the handle (an int) of the GPU stream the program runs on (None on other
     platforms).  On a GPU the callback runs on the host thread that dispatches the program, while
-    its kernels are being enqueued, after the kernels `x` depends on and before every kernel that
-    reads the returned arrays: an event that `signal` records on `stream` marks exactly that point.
+    its kernels are being enqueued, after the kernels that produce `arrays` and before every
+    kernel that reads what it returns: an event that `signal` records on `stream` marks exactly
+    that point.
 
-    The arrays of `passing` go through the callback as aliased operands (a parameter the program
-    does not own is copied first: pass small ones): a true data dependency, which XLA's
-    scheduler keeps (it drops an optimization barrier's order).  The program must output the
-    token or use what passed, or XLA removes the callback.  (Marked
-    as a side effect instead, it would cost every call jax's slow Python dispatch path.)
+    The arrays go through the callback as aliased operands: a true data dependency, which XLA's
+    scheduler keeps (it drops an optimization barrier's order).  A buffer the program owns (its
+    own result, a donated parameter) passes without a copy; any other parameter is copied first,
+    so pass only small ones of that kind.  The program must use what returns, or XLA removes the
+    callback (marked as a side effect instead, it would cost every call jax's slow Python
+    dispatch path).
     """
     from jax.experimental.buffer_callback import buffer_callback     # jax's semi-private GPU stream access
 
     def call(ctx, outs, *args):
         signal(int(ctx.stream) if platform == "gpu" else None)
 
-    first = lax.slice(x.reshape(-1), (0,), (1,)).astype(jnp.uint8)
-    operands = (first,) + tuple(passing)
-    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in operands)
-    outs = buffer_callback(call, shapes, input_output_aliases={i: i for i in range(len(operands))})(*operands)
-    return tuple(outs)
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+    return tuple(buffer_callback(call, shapes, input_output_aliases={i: i for i in range(len(arrays))})(*arrays))
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "layout", "implementation", "interpret",
@@ -317,9 +315,8 @@ def layer_program(slot, cache, kv_c, k_pe, arrays: StepArrays, prefetch_caches=(
       3. the gathers of later layers: prefetch_caches[i] into prefetch_slots[i] (donated), with
          `prefetch_tiles`; every kernel of theirs comes after the signal.
 
-    Returns (workspace or None, tuple of prefetched workspaces, the signal's u8[1] token or
-    None; the token is an output only so that XLA keeps the callback).  The step arrays it does
-    not read are dropped from the executable's inputs (each input costs the dispatch time)."""
+    Returns (workspace or None, tuple of prefetched workspaces).  The step arrays it does not
+    read are dropped from the executable's inputs (each input costs the dispatch time)."""
     device = placement.mesh_device(mesh)
     gather = functools.partial(_gather_over_mesh, arrays=arrays, mesh=mesh, axis_name=axis_name,
                                implementation=implementation, interpret=interpret)
@@ -334,14 +331,21 @@ def layer_program(slot, cache, kv_c, k_pe, arrays: StepArrays, prefetch_caches=(
     if signal is not None:
         if workspace is None:
             raise ValueError("signal: marks the layer's own workspace, but slot is None (no workspace)")
-        # every prefetch's pack reads local_cu: passed through the signal, it makes them follow
-        # it.  In a shard_map: XLA's partitioner needs the callback placed, and each device's
-        # program then calls it once
+        # The workspace passes through the signal (so the callback follows the layer's own work)
+        # and so do the prefetches' inputs (so every prefetch kernel follows it): with one rank
+        # the slots they write, which are donated (no copy); with several, local_cu, which every
+        # pack reads (its pack writes a buffer of its own before the all-gather).  In a
+        # shard_map: XLA's partitioner needs the callback placed, and each device's program then
+        # calls it once.
         signalled = functools.partial(signal_when_ready, signal=signal, platform=device.platform)
-        token, local_cu = jax.shard_map(lambda w, cu: signalled(w, passing=(cu,)), mesh=mesh, in_specs=(P(), P()),
-                                        out_specs=(P(), P()), check_vma=False)(workspace, arrays.local_cu)
-        gather = functools.partial(gather, arrays=dataclasses.replace(arrays, local_cu=local_cu))
-    else:
-        token = None
+        one_rank = arrays.local_cu.shape[0] == 1
+        following = prefetch_slots if one_rank else (arrays.local_cu,)
+        outs = jax.shard_map(lambda *a: signalled(a), mesh=mesh, in_specs=(P(),) * (1 + len(following)),
+                             out_specs=(P(),) * (1 + len(following)), check_vma=False)(workspace, *following)
+        workspace = outs[0]
+        if one_rank:
+            prefetch_slots = tuple(outs[1:])
+        else:
+            gather = functools.partial(gather, arrays=dataclasses.replace(arrays, local_cu=outs[1]))
     prefetched = tuple(gather(c, out=o, tiles=prefetch_tiles) for c, o in zip(prefetch_caches, prefetch_slots))
-    return workspace, prefetched, token
+    return workspace, prefetched

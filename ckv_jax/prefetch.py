@@ -324,7 +324,7 @@ class PrefetchOrchestrator:
 
         def program(slots):
             own = slots[0] if index is not None else None
-            ws, prefetched, _ = dcp_step.layer_program(
+            ws, prefetched = dcp_step.layer_program(
                 own, own_cache, kv_c, k_pe, self._arrays, tuple(state.caches[t] for t in targets),
                 tuple(slots[len(slots) - len(targets):]), mesh=self.mesh, layout=self.fmt.layout,
                 axis_name=self.axis_name, implementation=self.implementation, interpret=self.interpret,

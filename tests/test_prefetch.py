@@ -290,7 +290,7 @@ def _entry_instructions(hlo_text):
 
 @pytest.mark.parametrize("d", [1, 2])
 def test_the_layer_program_signals_after_its_patch_and_before_its_prefetches(d):
-    """In the compiled program the callback follows the patch of the layer's own slot, and every
+    """In the compiled program the callback takes the patched slot and returns it, and every
     instruction that reads a prefetched layer's cache depends on the callback's output, so no
     schedule can move any part of a prefetch ahead of the signal; and no slot is copied (see
     `test_a_gather_writes_straight_into_its_ring_slot` for the all-gather's rows)."""
@@ -329,9 +329,11 @@ def test_the_layer_program_signals_after_its_patch_and_before_its_prefetches(d):
     readers = [n for n, (_, ops, _) in ins.items() if set(ops) & set(cache_params)]
     assert readers and all(callback in ancestors(n) for n in readers), readers
     assert all(ins[n][0] > ins[callback][0] for n in readers)
+    patched = ins[callback][1][0]           # the callback's first operand: the patched slot
+    slot_param = [n for n, (_, _, line) in ins.items() if 'op_name="slot"' in line]
+    assert "parameter(" not in ins[patched][2] and slot_param[0] in ancestors(patched)
     root = [n for n, (_, _, line) in ins.items() if line.lstrip().startswith("ROOT")][0]
-    patched = ins[root][1][0]
-    assert patched in ancestors(callback)
+    assert callback in ancestors(ins[root][1][0])      # the workspace returned is what passed through it
 
 
 def test_chunk_buffers_larger_than_the_step_patch_the_same_bytes():

@@ -74,7 +74,7 @@ def main():
                                  jnp.zeros((arrays.chunk_rows.shape[0], 64), jnp.bfloat16))
 
     def layer(slots, signal):
-        ws, (prefetched,), _ = dcp_step.layer_program(slots[0], None, *chunk, arrays, (cache,), (slots[1],),
+        ws, (prefetched,) = dcp_step.layer_program(slots[0], None, *chunk, arrays, (cache,), (slots[1],),
                                                    mesh=orch.mesh, layout=orch.fmt.layout, signal=signal)
         return ws, prefetched
 
