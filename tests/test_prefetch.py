@@ -213,7 +213,8 @@ def test_missing_layer_index_gathers_synchronously_and_lanes_keep_their_own_pend
 def test_a_gather_writes_straight_into_its_ring_slot(d):
     """The orchestrator's compiled gather program never copies its slot, and with one rank not
     even the gathered rows: the pack writes into the donated slot.  With D > 1 the all-gather's
-    rows are copied into the slot once (XLA cannot all-gather into a slice of another buffer)."""
+    rows are copied into the slot at most once (jax 0.10's XLA cannot all-gather into a slice of
+    another buffer; jax 0.11's CPU compile was seen to need no copy)."""
     mesh = mesh_of(d)
     padded, capacity, record_bytes = 256, 1024, 656
     slot = placement.replicated(mesh, jnp.zeros((d * capacity, record_bytes), jnp.uint8))[0]
@@ -225,7 +226,7 @@ def test_a_gather_writes_straight_into_its_ring_slot(d):
                                         implementation="xla", interpret=False).compile().as_text()
     moved = copies_of_at_least(hlo, d * padded * record_bytes)
     assert not [c for c in moved if "dynamic-update-slice" not in c], moved     # no copy of the slot
-    assert len(moved) == (0 if d == 1 else 1), moved
+    assert len(moved) <= (0 if d == 1 else 1), moved     # jax 0.11's CPU compile writes it in place
     assert "u8[" in hlo, "the check above must see the uint8 buffers"
 
 
@@ -306,7 +307,7 @@ def test_the_layer_program_signals_after_its_patch_and_before_its_prefetches(d):
                                        signal=CountingSignal()).compile().as_text()
     moved = copies_of_at_least(hlo, d * 1024 * 656)
     assert not [c for c in moved if "dynamic-update-slice" not in c], moved     # no copy of a slot
-    assert len(moved) == (0 if d == 1 else 2), moved     # D > 1: each all-gather's rows, once
+    assert len(moved) <= (0 if d == 1 else 2), moved     # D > 1: each all-gather's rows, at most once
     traced = jax.make_jaxpr(lambda *a: dcp_step.layer_program(*a, mesh=mesh, layout=fmt.layout,
                                                               implementation="xla", signal=CountingSignal()))(
         slots[0], None, kv, pe, arrays, (cache, cache), tuple(slots[1:]))
