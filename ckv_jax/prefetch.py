@@ -223,10 +223,7 @@ class PrefetchOrchestrator:
             if after is None:
                 self._dispatch(state, None, None, None, None, targets, None)
             else:
-                for t in targets:
-                    self._dispatch_after(state, t % self.slots, state.caches[t], None, None, after,
-                                         self.prefetch_tiles)
-                    state.pending[t] = t % self.slots
+                self._prefetches_after(state, targets, after)
             self.decisions.append((key, None, "begin_step", tuple(targets)))
 
     def enter_layer(self, layer: int, key: Hashable = "target"):
@@ -310,16 +307,15 @@ class PrefetchOrchestrator:
         ws = self._dispatch_after(state, index, own_cache, kv_c, k_pe, after)
         if ready is not None:
             ready(ws)
-        for t in targets:
-            self._dispatch_after(state, t % self.slots, state.caches[t], None, None, after, self.prefetch_tiles)
-            state.pending[t] = t % self.slots
+        self._prefetches_after(state, targets, after)
         return ws
 
     def _dispatch(self, state: LaneState, index, own_cache, kv_c, k_pe, targets, signal):
         """One `dcp_step.layer_program`: slot `index` (None: none) patched or gathered, then the
         gathers of the layers `targets` into their ring slots, which become pending."""
-        indices = ([] if index is None else [index]) + [t % self.slots for t in targets]
-        for i in indices[1:] if own_cache is None and index is not None else indices:   # slots a gather overwrites
+        targets_slots = [t % self.slots for t in targets]
+        indices = ([] if index is None else [index]) + targets_slots
+        for i in ([index] if own_cache is not None else []) + targets_slots:   # the slots a gather overwrites
             self.pool.check_writable(state.lane, i)
 
         def program(slots):
@@ -332,9 +328,15 @@ class PrefetchOrchestrator:
             return ([] if ws is None else [ws]) + list(prefetched)
 
         self._into_slots(state, indices, program)
-        for t in targets:
-            state.pending[t] = t % self.slots
+        for t, i in zip(targets, targets_slots):
+            state.pending[t] = i
         return None if index is None else self.pool.ring(state.lane)[index]
+
+    def _prefetches_after(self, state: LaneState, targets, after):
+        """The gathers of `targets` into their ring slots, one program each that takes `after`."""
+        for t in targets:
+            self._dispatch_after(state, t % self.slots, state.caches[t], None, None, after, self.prefetch_tiles)
+            state.pending[t] = t % self.slots
 
     def _dispatch_after(self, state: LaneState, index: int, cache, kv_c, k_pe, after, tiles=None):
         """Slot `index` patched (cache None) or gathered from `cache` by a program that takes `after`."""

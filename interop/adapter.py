@@ -41,11 +41,12 @@ from __future__ import annotations
 import logging
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ckv_jax import formats, full_ckv, placement
+from ckv_jax import formats, full_ckv, placement, validation
 from ckv_jax.dcp_layout import DcpLayout
 from ckv_jax.prefetch import PrefetchOrchestrator, WorkspacePool, slot_still_referenced
 from ckv_jax.prefetch_config import GatherConfig
@@ -198,12 +199,9 @@ class TorchCkvAdapter:
 
     def _host_table(self, block_table):
         if isinstance(block_table, torch.Tensor):
-            if block_table.device.type == "cpu":
-                bridge.check_tensor("block_table", block_table)
-                return block_table.numpy()
+            bridge.check_tensor("block_table", block_table, None if block_table.device.type == "cpu" else self.device)
             # the host reads it to plan the step: a GPU table costs a wait for torch's queue
-            return np.asarray(self._replicated(bridge.to_jax(block_table, name="block_table", device=self.device),
-                                               block_table))
+            return block_table.cpu().numpy()
         return np.asarray(block_table)
 
     def set_current_chunk(self, kv_c: torch.Tensor, k_pe: torch.Tensor):
@@ -337,7 +335,8 @@ class TorchCkvAdapter:
         self._chunk = None
 
 
-KV_C_DTYPES = (torch.bfloat16, torch.float16, torch.float32)     # the writer's latent dtypes
+# the writer's latent dtypes (`ckv_jax.validation.KV_C_DTYPES`) as torch dtypes
+KV_C_DTYPES = tuple(getattr(torch, jnp.dtype(d).name) for d in validation.KV_C_DTYPES)
 
 
 def _check_copied(name: str, tensor, dtypes, device: torch.device):

@@ -64,7 +64,7 @@ class Workload:
         self.records = torch_records.encode(FMT.name, self.kv, self.pe)
         self.stand_in = torch.zeros((1, FMT.record_bytes), dtype=torch.uint8, device="cuda")
         slots = self.layout.slot_mapping(self.plan.positions(), self.plan.req_id_per_token,
-                                         self.table.cpu().numpy(), 0)
+                                         self.table_host.numpy(), 0)
         self.slots = torch.tensor(slots, dtype=torch.int64, device="cuda")   # on the device: no sync per write
 
     def adapter(self, depth: int, prefetch_programs: int | None = None) -> interop.TorchCkvAdapter:

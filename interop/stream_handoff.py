@@ -17,8 +17,9 @@ small programs with such a callback and accepts the handle only if
 
 With the handle, the per-layer ordering costs two event records and two waits
 (`StreamEvents`); the event torch waits on is recorded from inside the layer's program
-(`StreamSignal`), so the layer's work and its prefetches stay one dispatch.  `storage_use_count` (torch) counts the views of a tensor's memory, so the
-adapter can refuse to overwrite a ring slot that a caller still holds.
+(`StreamSignal`), so the layer's work and its prefetches stay one dispatch.
+`storage_use_count` (torch) counts the views of a tensor's memory, so the adapter can refuse to
+overwrite a ring slot that a caller still holds.
 """
 from __future__ import annotations
 
