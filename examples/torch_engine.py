@@ -98,7 +98,9 @@ def run(args) -> int:
             w = {k: v.to(device) for k, v in w.items()}
             q = (x @ w["w_q"]).reshape(q_len, heads, 576).to(torch.bfloat16).float()
             kv = x @ w["w_kv"]
-            kv_c, k_pe = kv[:, :512].to(torch.bfloat16).contiguous(), kv[:, 512:].to(torch.bfloat16).contiguous()
+            kv_c, k_pe = adapter.chunk_buffers()          # the latents go where the patch reads them: no copy
+            kv_c.copy_(kv[:, :512])
+            k_pe.copy_(kv[:, 512:])
             torch_records.write(caches[layer], torch_records.encode(fmt.name, kv_c, k_pe), slots)
             adapter.set_current_chunk(kv_c, k_pe)
             ws = adapter.gather(layer, caches[layer])

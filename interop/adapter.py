@@ -7,8 +7,9 @@ of one `jax.distributed` run, whose mesh axis `dcp` spans one device per process
     reserve(adapter.pool_bytes)                                              # and allocates the pool
     if adapter.begin_step(seq_lens_cpu, query_lens_cpu, block_table):        # per step
         for layer in range(L):
-            ...the engine writes the chunk into kv_caches[layer] (torch)...
-            adapter.set_current_chunk(kv_c, k_pe)                            # bf16 [T, 512], [T, 64]
+            kv_c, k_pe = adapter.chunk_buffers()                             # bf16 [T, 512], [T, 64]
+            ...the engine writes the layer's latents into them, and the chunk into kv_caches[layer]...
+            adapter.set_current_chunk(kv_c, k_pe)                            # (other tensors: copied)
             ws = adapter.gather(layer, kv_caches[layer])                     # torch u8[D * C, R]
             ...attention over ws[:adapter.rows] with adapter.remap_topk(topk)...
     else: ...the stock path...
@@ -19,8 +20,9 @@ while torch computes layer L.  Two ordering protocols, chosen once (`ordering`):
 
 * ``"cuda-events"`` (CUDA, where `interop.stream_handoff` finds JAX's compute stream): the ring
   slots are torch memory imported into JAX once, and every gather and patch writes into them in
-  place; the chunk's latents are copied by torch into two persistent buffers, imported once
-  (again only when a step has more tokens than they hold).  `begin_step` dispatches the gathers
+  place; the chunk's latents are read from two persistent buffers, imported once (again only
+  when a step has more tokens than they hold), which the engine writes into (`chunk_buffers`)
+  or torch copies other tensors into.  `begin_step` dispatches the gathers
   of the first `depth` layers at once (JAX's stream first waits on torch's, for the caches'
   last writes).  Per call: JAX's stream waits on an event of torch's current stream (so JAX
   runs after torch's cache writes, the chunk copy and torch's reads of a slot it reuses); one
@@ -193,7 +195,7 @@ class TorchCkvAdapter:
             self.orch.begin_step(plan, table, prefetch=False)
             return True
         self._chunk_rows = max(self._chunk_rows, 1 << max(plan.num_tokens - 1, 0).bit_length())
-        self.events.jax_after_torch(torch.cuda.current_stream(self.events.device))
+        self.events.jax_after_torch(self.events.torch_stream())
         self.orch.begin_step(plan, table, chunk_capacity=self._chunk_rows)
         return True
 
@@ -204,13 +206,31 @@ class TorchCkvAdapter:
             return block_table.cpu().numpy()
         return np.asarray(block_table)
 
+    def chunk_buffers(self, kv_c_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the engine can write this step's chunk latents so that `set_current_chunk` takes
+        them without a copy: kv_c kv_c_dtype[T, nope_dim] and k_pe bf16[T, rope_dim] on this GPU,
+        T the step's query tokens (e.g. the `out=` of the kv_a projection's norm and the RoPE's
+        output).  With the cuda-events ordering they are the adapter's persistent buffers (the
+        same memory every layer and step while T fits; write each layer's latents in stream order
+        before its `gather`: torch's stream already waited for the previous layer's patch when it
+        produces the next latents); with the DLPack path, fresh tensors per call."""
+        self._require_step("chunk_buffers")
+        if kv_c_dtype not in KV_C_DTYPES:
+            raise TypeError(f"kv_c_dtype: expected one of {_names(KV_C_DTYPES)}, got {kv_c_dtype}")
+        shapes = ((kv_c_dtype, self.fmt.nope_dim), (torch.bfloat16, self.fmt.rope_dim))
+        if self.events is None:
+            device = torch.device("cuda", self.device.local_hardware_id) if self.device.platform == "gpu" else "cpu"
+            return tuple(torch.empty((self.plan.num_tokens, w), dtype=d, device=device) for d, w in shapes)
+        return tuple(self._chunk_view(d, w) for d, w in shapes)
+
     def set_current_chunk(self, kv_c: torch.Tensor, k_pe: torch.Tensor):
         """The current chunk's latents of all T tokens of the step (every rank holds them all),
-        for the patch of the next `gather`: kv_c bf16[T, 512] and k_pe bf16[T, 64] on this GPU.
-        Checked now; read by `gather` (so torch may keep writing them until then).  With the
-        cuda-events ordering torch copies them into the adapter's buffers, so views of any
-        strides pass (vLLM's split of one [T, 576] projection); the DLPack path imports them and
-        needs them compact."""
+        for the patch of the next `gather`: kv_c [T, nope_dim] (bf16, f16 or f32) and k_pe
+        bf16[T, rope_dim] on this GPU.  Checked now; read by `gather` (so torch may keep writing
+        them until then).  With the cuda-events ordering the latents the engine wrote into
+        `chunk_buffers()` are taken as they are; any other tensors, of any strides (vLLM's split
+        views of one [T, 576] projection), are copied by torch into those buffers.  The DLPack
+        path imports them and needs them compact."""
         self._require_step("set_current_chunk")
         if self.events is None:
             bridge.check_tensor("kv_c", kv_c, self.device)
@@ -237,7 +257,7 @@ class TorchCkvAdapter:
         chunk, self._chunk = self._chunk, None
         if self.events is None:
             return self._gather_dlpack(layer_idx, lane, cache, chunk)
-        stream = torch.cuda.current_stream(self.events.device)
+        stream = self.events.torch_stream()
         kv_c, k_pe = self._chunk_on_device(chunk) if self.orch.is_pending(layer_idx, lane) else (None, None)
         self.events.jax_after_torch(stream)     # after the cache write, the chunk copy, reads of reused slots
         ws = self.orch.gather(layer_idx, cache, kv_c, k_pe, key=lane, signal=self.events.signal)
@@ -256,28 +276,35 @@ class TorchCkvAdapter:
         return exported[0]
 
     def _chunk_on_device(self, chunk):
-        """cuda-events: the chunk copied (on torch's stream) into the first T rows of the
-        persistent buffers; returns their JAX arrays (all rows: the step's `chunk_rows` mark the
-        rows past T as padding).  A buffer is allocated and imported only when missing or smaller
-        than this step's `_chunk_rows`."""
+        """cuda-events: the chunk in the first T rows of the persistent buffers (copied there on
+        torch's stream unless the engine wrote it there, `chunk_buffers`); returns their JAX
+        arrays (all rows: the step's `chunk_rows` mark the rows past T as padding)."""
         out = []
         rows = self.plan.num_tokens
         for name, t in zip(("kv_c", "k_pe"), chunk):
             if t.dim() != 2 or t.shape[0] != rows:
                 raise ValueError(f"{name}: expected [{rows}, width] (the step's query tokens), "
                                  f"got {t.dtype}{list(t.shape)}")
-            key = (t.dtype, t.shape[1])
-            held = self._chunk_buffers.get(key)
-            if held is None or held[0].shape[0] != self._chunk_rows:
-                buf = torch.empty((self._chunk_rows, t.shape[1]), dtype=t.dtype, device=self.events.device)
-                held = self._chunk_buffers[key] = (buf, _replicated_on(
-                    self.mesh, bridge.to_jax(buf, name=name, device=self.device)))
-            view = self._chunk_views.get(key)
-            if view is None:                  # the step's first T rows, sliced once per step
-                view = self._chunk_views[key] = held[0][:rows]
-            view.copy_(t)
-            out.append(held[1])
+            view = self._chunk_view(t.dtype, t.shape[1])
+            if not (t.data_ptr() == view.data_ptr() and t.stride() == view.stride()):
+                view.copy_(t)
+            out.append(self._chunk_buffers[(t.dtype, t.shape[1])][1])
         return out
+
+    def _chunk_view(self, dtype: torch.dtype, width: int) -> torch.Tensor:
+        """This step's first T rows of the persistent [rows, width] buffer of `dtype`; the buffer is
+        allocated and imported into JAX only when missing or smaller than `_chunk_rows`."""
+        key = (dtype, width)
+        view = self._chunk_views.get(key)
+        if view is not None:
+            return view
+        held = self._chunk_buffers.get(key)
+        if held is None or held[0].shape[0] != self._chunk_rows:
+            buf = torch.empty((self._chunk_rows, width), dtype=dtype, device=self.events.device)
+            held = self._chunk_buffers[key] = (buf, _replicated_on(
+                self.mesh, bridge.to_jax(buf, name="chunk buffer", device=self.device)))
+        view = self._chunk_views[key] = held[0][:self.plan.num_tokens]     # sliced once per step
+        return view
 
     def remap_topk(self, topk: torch.Tensor):
         """Global top-k i32[T, K] (positions per request, -1 = none) -> (workspace rows, counts) as
@@ -326,7 +353,7 @@ class TorchCkvAdapter:
         """Make torch's stream wait for every JAX computation still reading step inputs (dropped
         prefetches included), then release the torch tensors they read."""
         if self.events is not None:
-            self.events.torch_after_jax(torch.cuda.current_stream(self.events.device))
+            self.events.torch_after_jax(self.events.torch_stream())
         else:
             for ws in self.orch.in_flight():
                 bridge.to_torch(ws.addressable_data(0), name="in-flight workspace")
@@ -339,13 +366,16 @@ class TorchCkvAdapter:
 KV_C_DTYPES = tuple(getattr(torch, jnp.dtype(d).name) for d in validation.KV_C_DTYPES)
 
 
+def _names(dtypes) -> list[str]:
+    return [str(d).replace("torch.", "") for d in dtypes]
+
+
 def _check_copied(name: str, tensor, dtypes, device: torch.device):
     """A tensor torch will copy on this device: type, dtype, device and grad (no layout rule)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in dtypes:
-        raise TypeError(f"{name}: expected one of {[str(d).replace('torch.', '') for d in dtypes]}, "
-                        f"got {tensor.dtype}")
+        raise TypeError(f"{name}: expected one of {_names(dtypes)}, got {tensor.dtype}")
     if tensor.device != device:
         raise ValueError(f"{name}: on {tensor.device}, expected {device} (the adapter's GPU)")
     if tensor.requires_grad:

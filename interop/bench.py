@@ -2,7 +2,10 @@
 
 One request of H history tokens plus a C-token chunk, D = 1, fp8_ds_mla, L layers.  Per layer
 torch computes X ms, writes the chunk into the layer's paged cache, calls `set_current_chunk` +
-`gather`, and reads the workspace (a one-row consumer that orders after it).  Two kinds of
+`gather`, and reads the workspace (a one-row consumer that orders after it).  The chunk's
+latents come in the adapter's `chunk_buffers` (`--latents in-place`: the engine's projection
+writes them there, so the step's first fill is untimed and no layer copies them) or as the
+engine's own tensors, which the adapter copies per layer (`--latents copied`).  Two kinds of
 compute: `sleep` (`torch.cuda._sleep`: one spinning CTA, the SMs stay free, so this measures the
 ordering machinery alone) and `matmul` (bf16 matmuls that fill every SM: the realistic worst
 case).  Per row:
@@ -12,7 +15,9 @@ case).  Per row:
   compute_only_ms      the same step with the adapter calls left out (compute, cache writes, and
                        the consumer's kernels over a stand-in row)
   step_ms              CUDA events on torch's stream around the step's layer loop (median of
-                       trials; spread_pct = (max - min) / median of those trials).  Before the
+                       trials; spread_pct = (max - min) / median of those trials).  Within a
+                       trial the compute alone and every depth take turns, so a drift of the
+                       GPU's clocks between them does not bias hidden_pct.  Before the
                        first event torch queues one layer's compute (the previous step's tail)
                        and the host calls `begin_step` (host time begin_step_us), as an engine
                        prepares a step while the last one runs: the first event fires when the
@@ -47,7 +52,9 @@ FMT = formats.get("fp8_ds_mla")
 class Workload:
     """The torch engine's side of one step: caches, table, chunk latents and device slots."""
 
-    def __init__(self, history: int, chunk: int, layers: int, block_size: int = 64, seed: int = 0):
+    def __init__(self, history: int, chunk: int, layers: int, block_size: int = 64, seed: int = 0,
+                 chunk_in_place: bool = True):
+        self.chunk_in_place = chunk_in_place
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.layout = DcpLayout(1, 1, block_size)
         context = history + chunk
@@ -77,7 +84,13 @@ class Workload:
         self.caches[layer].view(-1, FMT.record_bytes).index_copy_(0, self.slots, self.records)
 
     def begin_step(self, adapter) -> bool:
-        return adapter.begin_step(self.seq, self.q, self.table_host)
+        began = adapter.begin_step(self.seq, self.q, self.table_host)
+        self.latents = (self.kv, self.pe)
+        if began and self.chunk_in_place:           # as the engine's projection would write them
+            self.latents = adapter.chunk_buffers()
+            for buffer, value in zip(self.latents, (self.kv, self.pe)):
+                buffer.copy_(value)
+        return began
 
     def step(self, adapter, compute=None, host=None, jax_events=None):
         """One step: `begin_step`, then the layers."""
@@ -100,7 +113,7 @@ class Workload:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(adapter.events.jax_stream)
             t0 = time.perf_counter()
-            adapter.set_current_chunk(self.kv, self.pe)
+            adapter.set_current_chunk(*self.latents)
             ws = adapter.gather(layer, cache)
             if host is not None:
                 host.append(time.perf_counter() - t0)
@@ -216,11 +229,41 @@ def torch_stream(kind: str) -> torch.cuda.Stream:
     raise ValueError(f"streams: expected names of {STREAMS}, got {kind!r}")
 
 
-def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, prefetch_programs=None) -> list[dict]:
+def _interleaved(work: Workload, adapters: dict, depths, compute, trials: int, warmup: int = 2):
+    """Step times (ms) of the compute alone and of each depth, the variants taking turns within
+    every trial, so a drift of the GPU's clocks (a spinning or multiplying kernel's time follows
+    them; a hot GPU after matmuls runs slower for a while) falls on all of them alike.  Returns
+    (compute_only, steps by depth, host s per layer by depth, begin_step host s by depth)."""
+    compute_only, steps = [], {d: [] for d in depths}
+    host, begin = {d: [] for d in depths}, {d: [] for d in depths}
+    for trial in range(warmup + trials):
+        keep = trial >= warmup
+        t = event_ms(lambda: work.layers(None, compute), before=compute)
+        if keep:
+            compute_only.append(t)
+        for depth in depths:
+            adapter, layer_host, began = adapters[depth], [], []
+
+            def begin_step():
+                compute()                                 # the previous step's tail
+                t0 = time.perf_counter()
+                work.begin_step(adapter)
+                began.append(time.perf_counter() - t0)
+
+            t = event_ms(lambda: work.layers(adapter, compute, layer_host), before=begin_step)
+            if keep:
+                steps[depth].append(t)
+                host[depth] += layer_host
+                begin[depth] += began
+    return compute_only, steps, host, begin
+
+
+def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, prefetch_programs=None,
+        chunk_in_place=True) -> list[dict]:
     rows = []
     computes = {x: compute_kernels(x) for x in compute_ms}
     for history in histories:
-        work = Workload(history, chunk, layers)
+        work = Workload(history, chunk, layers, chunk_in_place=chunk_in_place)
         adapters = {d: work.adapter(d, prefetch_programs) for d in depths}
         base = adapters[min(depths)]
         gather_ms = _jax_ms_per_layer(work, base, trials)
@@ -230,30 +273,21 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
                 for kind in kinds:
                     for x in compute_ms:
                         compute = computes[x][kind]
-                        compute_only = timed(lambda: work.layers(None, compute), trials, before=compute)
+                        compute_only, steps, host, begin = _interleaved(work, adapters, depths, compute, trials)
                         x_ms = statistics.median(compute_only) / layers
                         by_depth = {}
                         for depth in depths:
-                            host, begin = [], []
-
-                            def begin_step(adapter=adapters[depth]):
-                                compute()                 # the previous step's tail
-                                t0 = time.perf_counter()
-                                work.begin_step(adapter)
-                                begin.append(time.perf_counter() - t0)
-
-                            steps = timed(lambda: work.layers(adapters[depth], compute, host), trials,
-                                          before=begin_step)
-                            by_depth[depth] = statistics.median(steps)
+                            by_depth[depth] = statistics.median(steps[depth])
                             rows.append(dict(
                                 compute_kind=kind, torch_stream=stream_kind, depth=depth, history=history,
                                 chunk=chunk, layers=layers, ordering=adapters[depth].ordering,
+                                chunk_latents="in-place" if chunk_in_place else "copied",
                                 prefetch_tiles=str(adapters[depth].orch.prefetch_tiles),
                                 compute_ms_per_layer=x_ms, gather_ms_per_layer=gather_ms,
                                 compute_only_ms=statistics.median(compute_only), step_ms=by_depth[depth],
-                                spread_pct=100 * (max(steps) - min(steps)) / by_depth[depth],
-                                host_us_per_layer=1e6 * statistics.median(host),
-                                begin_step_us=1e6 * statistics.median(begin)))
+                                spread_pct=100 * (max(steps[depth]) - min(steps[depth])) / by_depth[depth],
+                                host_us_per_layer=1e6 * statistics.median(host[depth]),
+                                begin_step_us=1e6 * statistics.median(begin[depth])))
                         exposed0 = by_depth[min(depths)] - statistics.median(compute_only)
                         for r in rows[-len(depths):]:
                             r["hidden_pct"] = 100 * (1 - (r["step_ms"] - r["compute_only_ms"]) / exposed0)
@@ -298,6 +332,9 @@ def main(argv=None) -> int:
                     help="persistent programs of a prefetch's pack (default: the full grid)")
     ap.add_argument("--pack-programs", type=_ints, default=[33, 66, 132],
                     help="persistent grids whose standalone pack bandwidth is measured (default %(default)s)")
+    ap.add_argument("--latents", choices=["in-place", "copied"], default="in-place",
+                    help="latents written into the adapter's chunk buffers, or copied there per layer "
+                         "(default %(default)s)")
     ap.add_argument("--out", default="interop.json", help="JSON results (default %(default)s)")
     args = ap.parse_args(argv)
     if not (torch.cuda.is_available() and jax.default_backend() == "gpu"):
@@ -318,7 +355,7 @@ def main(argv=None) -> int:
         f"{p['tiles']}: {p['us']:.1f} us ({p['gbps']:.0f} GB/s)" for p in pack), flush=True)
     print(HEADER, flush=True)
     rows = run(args.histories, args.chunk, args.layers, args.depths, args.compute_ms, args.kinds, args.streams,
-               args.trials, args.prefetch_programs)
+               args.trials, args.prefetch_programs, args.latents == "in-place")
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), jax=jax.__version__, torch=torch.__version__,
                        command="python -m interop.bench " + " ".join(argv if argv is not None else sys.argv[1:]),

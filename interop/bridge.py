@@ -35,7 +35,8 @@ class CudaGraphCaptureError(RuntimeError):
 
 
 def check_not_capturing(what: str):
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    # a capture needs CUDA initialized; is_initialized is the cheap test (is_available asks NVML)
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
         raise CudaGraphCaptureError(f"{what}: ckv-jax runs JAX work on JAX's own streams, which a torch CUDA "
                                     "graph cannot capture; run this step eagerly or take the stock path")
 

@@ -101,10 +101,15 @@ class StreamEvents:
 
     def __init__(self, device: torch.device, jax_stream: int):
         self.device = device
+        self._index = device.index            # an int: torch looks it up faster than a device
         self.jax_stream = torch.cuda.ExternalStream(jax_stream, device=device)
         self._torch_done = torch.cuda.Event()
         self._jax_done = torch.cuda.Event()
         self._signal = StreamSignal(self.jax_stream, jax_stream)
+
+    def torch_stream(self) -> torch.cuda.Stream:
+        """torch's current stream on this GPU."""
+        return torch.cuda.current_stream(self._index)
 
     def jax_after_torch(self, torch_stream: torch.cuda.Stream):
         """JAX work dispatched from now on runs after the work queued on `torch_stream` so far."""

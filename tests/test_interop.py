@@ -119,6 +119,37 @@ def test_adapter_workspaces_equal_the_pure_jax_gather(depth):
     adapter.close()
 
 
+def test_chunk_buffers_on_the_dlpack_path_are_fresh_tensors_the_engine_fills():
+    """chunk_buffers() before a layer's gather: kv_c and k_pe of the step's T rows, written by the
+    engine and taken by set_current_chunk; every workspace exact; a wrong dtype is named."""
+    layers = 2
+    engine = TorchEngine(1, 0, FP8, layers)
+    adapter = _adapter(2, engine)
+    with pytest.raises(RuntimeError, match="chunk_buffers: no eligible step begun"):
+        adapter.chunk_buffers()
+    for hist, q in STEPS:
+        plan = engine.plan(hist, q, min_world_size=1)
+        assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table)
+        for layer in range(layers):
+            kv_c, k_pe = adapter.chunk_buffers()
+            assert (kv_c.dtype, tuple(kv_c.shape)) == (torch.bfloat16, (plan.num_tokens, 512))
+            assert (k_pe.dtype, tuple(k_pe.shape)) == (torch.bfloat16, (plan.num_tokens, 64))
+            kv, pe = engine.chunk(plan.num_tokens)
+            kv_c.copy_(kv)
+            k_pe.copy_(pe)
+            engine.write(layer, plan, kv, pe)
+            adapter.set_current_chunk(kv_c, k_pe)
+            ws = adapter.gather(layer, engine.caches[layer])
+            got = ws[:adapter.rows].numpy().copy()
+            del ws
+            np.testing.assert_array_equal(got, _synchronous_gather(engine, layer, plan))
+    assert adapter.chunk_buffers(torch.float32)[0].dtype == torch.float32
+    with pytest.raises(TypeError, match=r"kv_c_dtype: expected one of \['bfloat16', 'float16', 'float32'\], "
+                                        r"got torch.int8"):
+        adapter.chunk_buffers(torch.int8)
+    adapter.close()
+
+
 def test_adapter_remaps_topk_and_takes_the_stock_path_when_ineligible():
     engine = TorchEngine(1, 0, FP8, 1)
     adapter = _adapter(1, engine)

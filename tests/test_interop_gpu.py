@@ -150,6 +150,57 @@ def test_chunk_buffers_grow_with_the_step_and_stay_exact():
     adapter.close()
 
 
+def _device_copies(fn) -> int:
+    """Device-to-device copies (torch's copy_ of a chunk, or any XLA copy) while fn() runs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if "Memcpy DtoD" in e.name)
+
+
+def test_latents_written_into_the_chunk_buffers_are_taken_without_a_copy():
+    """At depth 2 every layer is patched from the chunk buffers.  The engine writes each layer's
+    own latents into `chunk_buffers()` behind ~1 ms of matmuls (so a patch that did not wait, or
+    read the previous layer's latents, would show); every workspace stays exact, and the layer's
+    adapter calls make no device copy (two, one per latent, when other tensors are passed)."""
+    layers = 4
+    engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
+    adapter = _adapter(2)
+    mesh = jax.make_mesh((1,), (placement.DCP_AXIS,), devices=jax.devices()[:1])
+    a = torch.randn(4096, 4096, device="cuda")
+    copies = {}
+    for step, (hist, q) in enumerate(list(STEPS) * 2):
+        plan = engine.plan(hist, q, min_world_size=1)
+        assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu())
+        in_place = step % 2 == 1
+        for layer in range(layers):
+            kv, pe = engine.chunk(plan.num_tokens)
+            engine.write(layer, plan, kv, pe)
+            if in_place:
+                kv_c, k_pe = adapter.chunk_buffers()
+                for _ in range(4):
+                    a = (a @ a).clamp_(-1, 1)
+                kv_c.copy_(kv)                        # the engine's projection, written in place
+                k_pe.copy_(pe)
+            else:
+                kv_c, k_pe = kv, pe
+            holder = []
+
+            def calls():
+                adapter.set_current_chunk(kv_c, k_pe)
+                holder.append(adapter.gather(layer, engine.caches[layer]))
+            n = _device_copies(calls)
+            if step:                                  # the first step only discovers the caches (no patch)
+                copies.setdefault(in_place, set()).add(n)
+            ws = holder.pop()[:adapter.rows].clone()
+            want = full_ckv.all_gather_ckv(placement.place_caches([engine.caches[layer].cpu().numpy()], mesh),
+                                           jnp.asarray(engine.table_host), plan, mesh=mesh, format="fp8_ds_mla")
+            np.testing.assert_array_equal(ws.cpu().numpy(), np.asarray(want),
+                                          err_msg=f"step {step} layer {layer} in place {in_place}")
+    assert copies == {False: {2}, True: {0}}
+    adapter.close()
+
+
 def test_the_event_path_is_on_and_uses_jax_compute_stream():
     """The overlap mechanism is really in use: the stream JAX's programs run on (as a
     buffer_callback sees it, in a program of this test) is the one the adapter orders against,

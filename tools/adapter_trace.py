@@ -83,6 +83,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="output prefix: <out>.png and <out>.json")
     ap.add_argument("--history", type=int, default=1 << 20)
     ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--latents", choices=["in-place", "copied"], default="in-place",
+                    help="chunk latents written into the adapter's chunk buffers, or copied there per layer "
+                         "(copied for a checkout older than chunk_buffers; default %(default)s)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--depths", default="0,2")
     ap.add_argument("--sleep-ms", type=float, default=2.5, help="torch compute per layer (default %(default)s)")
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
 
-    work = bench.Workload(args.history, args.chunk, args.layers)
+    work = bench.Workload(args.history, args.chunk, args.layers, chunk_in_place=args.latents == "in-place")
     sleep = bench.compute_kernels(args.sleep_ms)["sleep"]
     panels, listing = {}, {}
     side = bench.torch_stream(args.stream)
@@ -121,7 +124,8 @@ def main(argv=None) -> int:
         adapter.close()
     packs = "full-grid" if args.prefetch_programs is None else f"{args.prefetch_programs}-program"
     title = args.label or (f"{args.layers} layers, {args.history} history + {args.chunk} chunk tokens, "
-                           f"sleep {args.sleep_ms} ms/layer on torch's {args.stream} stream, {packs} prefetch packs")
+                           f"sleep {args.sleep_ms} ms/layer on torch's {args.stream} stream, {packs} prefetch packs, "
+                           f"latents {args.latents}")
     plot(panels, args.out + ".png", title)
     with open(args.out + ".json", "w") as f:
         json.dump(dict(title=title, code=os.path.abspath(args.code), kernels=listing), f)

@@ -36,7 +36,7 @@ want ncu && step "ncu" 240 ncu --target-processes all --clock-control none --ker
 if want trace; then
   step "adapter trace" 150 python tools/adapter_trace.py --out "$OUT/trace" 2>&1 | tee "$OUT/trace.txt"
   [ -n "${TRACE_BEFORE:-}" ] && step "adapter trace ($TRACE_BEFORE)" 150 python tools/adapter_trace.py \
-    --code "$TRACE_BEFORE" --out "$OUT/trace_before" 2>&1 | tee "$OUT/trace_before.txt"
+    --code "$TRACE_BEFORE" --latents copied --out "$OUT/trace_before" 2>&1 | tee "$OUT/trace_before.txt"
 fi
 want interop && step "interop bench" 360 python -m interop.bench ${INTEROP_ARGS:-} --out "$OUT/interop.json" 2>&1 \
   | tee "$OUT/interop.txt"

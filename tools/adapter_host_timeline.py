@@ -1,0 +1,115 @@
+"""Host timeline of the torch adapter's layer calls, from JAX's profiler (its host tracer sees
+inside a dispatch: argument parsing, PJRT's execute, each thunk's launch, the in-program
+callback, the completion callback).
+
+    python tools/adapter_host_timeline.py [--history N] [--depth D] [--prefetch-programs P] > timeline.txt
+
+Runs `interop.bench.Workload` (one request, D = 1, fp8_ds_mla, 8 layers, 4 ms of
+`torch.cuda._sleep` per layer on torch's default stream, so the host runs far ahead of the GPU),
+three warm steps, then two steps under `jax.profiler.trace` with each layer's
+`set_current_chunk` and `gather` annotated.  Prints, per name, the median over the traced
+layers of the time its events take inside one `gather` (an event counts in each of its parents
+of other names), then every event of two layers' `gather` with its offset.  The host tracer itself
+adds time to every event it records: compare pieces with each other, not with untraced
+timings.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import torch  # noqa: E402
+from jax.profiler import ProfileData, ProfileOptions, TraceAnnotation  # noqa: E402
+
+from interop import bench  # noqa: E402
+
+
+def layers(work: bench.Workload, adapter, compute):
+    for layer, cache in enumerate(work.caches):
+        compute()
+        work.write(layer)
+        with TraceAnnotation("layer.set_current_chunk"):
+            adapter.set_current_chunk(*work.latents)
+        with TraceAnnotation("layer.gather"):
+            ws = adapter.gather(layer, cache)
+        ws[:1].sum()
+        del ws
+
+
+def host_events(work: bench.Workload, adapter, compute, steps: int = 2) -> list[tuple[int, int, str]]:
+    """(start ns, duration ns, name) of the dispatching thread's events over `steps` traced steps."""
+    for _ in range(3):
+        work.begin_step(adapter)
+        layers(work, adapter, compute)
+    torch.cuda.synchronize()
+    options = ProfileOptions()
+    options.host_tracer_level = 3
+    options.python_tracer_level = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, profiler_options=options):
+            for _ in range(steps):
+                with TraceAnnotation("step.begin_step"):
+                    work.begin_step(adapter)
+                layers(work, adapter, compute)
+            torch.cuda.synchronize()
+        data = ProfileData.from_file(glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[0])
+        threads = [[(e.start_ns, e.duration_ns, e.name) for e in line.events]
+                   for plane in data.planes if plane.name == "/host:CPU" for line in plane.lines]
+    # the dispatching thread is the one that recorded the annotations
+    main = next(t for t in threads if any(name == "layer.gather" for _, _, name in t))
+    return sorted(main)
+
+
+def summary(events, shown=(9, 10)) -> str:
+    gathers = [e for e in events if e[2] == "layer.gather"]
+    per = collections.defaultdict(list)
+    lines = []
+    for i, (start, dur, _) in enumerate(gathers):
+        inside = [e for e in events if e[0] >= start and e[0] + e[1] <= start + dur and e[2] != "layer.gather"]
+        sums = collections.Counter()
+        for e in inside:         # an event inside one of the same name (jit's two PjitFunction) counts once
+            if not any(o is not e and o[2] == e[2] and o[0] <= e[0] and e[0] + e[1] <= o[0] + o[1] for o in inside):
+                sums[e[2]] += e[1]
+        for name, ns in sums.items():
+            per[name].append(ns / 1e3)
+        per["= layer.gather"].append(dur / 1e3)
+        if i in shown:
+            lines.append(f"-- gather of traced layer {i}: {dur / 1e3:.1f} us")
+            lines += [f"   +{(e[0] - start) / 1e3:7.1f} {e[1] / 1e3:7.1f}  {e[2][:110]}" for e in inside]
+    for name in ("layer.set_current_chunk", "step.begin_step"):
+        per["= " + name] += [e[1] / 1e3 for e in events if e[2] == name]
+    table = [f"{'us (median)':>12} {'calls':>6}  name (inside one gather, or = the annotated call itself)"]
+    table += [f"{statistics.median(v):12.1f} {len(v):6d}  {k[:100]}"
+              for k, v in sorted(((k, v) for k, v in per.items() if v), key=lambda kv: -statistics.median(kv[1]))]
+    return "\n".join(table + lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--history", type=int, default=1 << 20, help="history tokens (default %(default)s)")
+    ap.add_argument("--depth", type=int, default=2, help="prefetch depth (default %(default)s)")
+    ap.add_argument("--prefetch-programs", type=int, default=None,
+                    help="persistent programs of a prefetch's pack (default: the full grid)")
+    args = ap.parse_args(argv)
+    if not (torch.cuda.is_available() and jax.default_backend() == "gpu"):
+        print("adapter_host_timeline needs torch and JAX on a CUDA GPU", file=sys.stderr)
+        return 2
+    work = bench.Workload(args.history, 4096, 8)
+    adapter = work.adapter(args.depth, args.prefetch_programs)
+    print(f"history {args.history}, depth {args.depth}, prefetch programs {args.prefetch_programs}, "
+          f"jax {jax.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    print(summary(host_events(work, adapter, bench.compute_kernels(4.0)["sleep"])))
+    adapter.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
