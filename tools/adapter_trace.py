@@ -4,10 +4,13 @@
     python tools/adapter_trace.py --code DIR --out old   # the same workload on another checkout
 
 Runs `interop.bench.Workload` (one request, D = 1, fp8_ds_mla) with `torch.cuda._sleep` compute
-on a torch side stream, two warm steps, then one step's layers per depth under `torch.profiler` with CUDA
-activities (which records every kernel and copy of the process, XLA's included).  The PNG has a
-panel per depth, a lane per stream and a bar per kernel; the JSON lists the kernels
-(stream, name, start and duration in us from the step's first GPU activity).
+(or `--compute matmul`: bf16 matmuls that fill every SM) on a torch stream, two warm steps, then
+one step's layers per depth under `torch.profiler` with CUDA activities (which records every
+kernel and copy of the process, XLA's included).  The PNG has a panel per depth, a lane per
+stream and a bar per kernel; the JSON lists the kernels (stream, name, start and duration in us
+from the step's first GPU activity).  Per depth it prints how long the gathers and torch's
+compute kernels took while they overlapped one another and while they ran alone, which is
+where SM contention shows.
 --code DIR puts DIR first on the import path for ckv_jax / interop / pallas_kernels, while the
 workload still comes from this checkout's interop/bench.py (it uses only the adapter's public
 calls, and passes `begin_step` a host block table), so two versions of the adapter run the same
@@ -19,6 +22,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import tempfile
 
@@ -41,11 +45,28 @@ def category(name: str) -> str:
         return "gather"
     if "ckv_write" in name:
         return "patch"
-    if "sleep" in name.lower() or "spin" in name.lower():
+    if any(k in name.lower() for k in ("sleep", "spin", "gemm", "xmma", "nvjet", "cutlass")):
         return "torch compute"
     if "memcpy" in name.lower() or name.startswith("Memcpy") or "copy" in name.lower():
         return "copy"
     return "other"
+
+
+def contention(ks: list[dict]) -> str:
+    """Median duration of gathers and of torch's compute kernels that overlapped a kernel of the
+    other kind, against those that ran without one (us)."""
+    def overlaps(k, others):
+        return any(o["start"] < k["start"] + k["dur"] and k["start"] < o["start"] + o["dur"] for o in others)
+    lines = []
+    kinds = {c: [k for k in ks if category(k["name"]) == c] for c in ("gather", "torch compute")}
+    for mine, other in (("gather", "torch compute"), ("torch compute", "gather")):
+        split = {True: [], False: []}
+        for k in kinds[mine]:
+            split[overlaps(k, kinds[other])].append(k["dur"])
+        cells = [f"{'beside' if key else 'alone'} {len(v)} x {statistics.median(v):.1f} us"
+                 for key, v in split.items() if v]
+        lines.append(f"  {mine}: " + ", ".join(cells))
+    return "\n".join(lines)
 
 
 COLORS = {"torch compute": "tab:blue", "gather": "tab:orange", "patch": "tab:green", "copy": "tab:red",
@@ -88,7 +109,9 @@ def main(argv=None) -> int:
                          "(copied for a checkout older than chunk_buffers; default %(default)s)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--depths", default="0,2")
-    ap.add_argument("--sleep-ms", type=float, default=2.5, help="torch compute per layer (default %(default)s)")
+    ap.add_argument("--compute-ms", type=float, default=2.5, help="torch compute per layer, ms (default %(default)s)")
+    ap.add_argument("--compute", choices=["sleep", "matmul"], default="sleep",
+                    help="torch's compute: one spinning CTA, or matmuls that fill every SM (default %(default)s)")
     ap.add_argument("--label", default="", help="title of the picture")
     ap.add_argument("--stream", default="side", help="torch's stream: default, side or priority (default %(default)s)")
     ap.add_argument("--prefetch-programs", type=int, default=None,
@@ -101,18 +124,18 @@ def main(argv=None) -> int:
     spec.loader.exec_module(bench)
 
     work = bench.Workload(args.history, args.chunk, args.layers, chunk_in_place=args.latents == "in-place")
-    sleep = bench.compute_kernels(args.sleep_ms)["sleep"]
+    compute = bench.compute_kernels(args.compute_ms)[args.compute]
     panels, listing = {}, {}
     side = bench.torch_stream(args.stream)
     for depth in [int(d) for d in args.depths.split(",")]:
         adapter = work.adapter(depth) if args.prefetch_programs is None else work.adapter(depth, args.prefetch_programs)
         with torch.cuda.stream(side):
             for _ in range(2):                    # the first step discovers the caches, the second compiles
-                work.step(adapter, sleep)
+                work.step(adapter, compute)
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 work.begin_step(adapter)                # its prefetches belong to the step
-                work.layers(adapter, sleep)
+                work.layers(adapter, compute)
                 torch.cuda.synchronize()
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "trace.json")
@@ -124,13 +147,14 @@ def main(argv=None) -> int:
         adapter.close()
     packs = "full-grid" if args.prefetch_programs is None else f"{args.prefetch_programs}-program"
     title = args.label or (f"{args.layers} layers, {args.history} history + {args.chunk} chunk tokens, "
-                           f"sleep {args.sleep_ms} ms/layer on torch's {args.stream} stream, {packs} prefetch packs, "
+                           f"{args.compute} {args.compute_ms} ms/layer on torch's {args.stream} stream, {packs} prefetch packs, "
                            f"latents {args.latents}")
     plot(panels, args.out + ".png", title)
     with open(args.out + ".json", "w") as f:
         json.dump(dict(title=title, code=os.path.abspath(args.code), kernels=listing), f)
     for label, ks in panels.items():
         print(label)
+        print(contention(ks))
         for k in ks:
             print(f"  s{k['stream']:<4} {k['start']:10.1f} {k['dur']:8.1f}  {k['name'][:70]}")
     return 0
