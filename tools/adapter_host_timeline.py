@@ -9,7 +9,8 @@ Runs `interop.bench.Workload` (one request, D = 1, fp8_ds_mla, 8 layers, 4 ms of
 three warm steps, then two steps under `jax.profiler.trace` with each layer's
 `set_current_chunk` and `gather` annotated.  Prints, per name, the median over the traced
 layers of the time its events take inside one `gather` (an event counts in each of its parents
-of other names), then every event of two layers' `gather` with its offset.  The host tracer itself
+of other names), then every event of two layers' `gather` with its offset, and the longer
+events of one `begin_step`.  The host tracer itself
 adds time to every event it records: compare pieces with each other, not with untraced
 timings.
 """
@@ -86,6 +87,12 @@ def summary(events, shown=(9, 10)) -> str:
             lines += [f"   +{(e[0] - start) / 1e3:7.1f} {e[1] / 1e3:7.1f}  {e[2][:110]}" for e in inside]
     for name in ("layer.set_current_chunk", "step.begin_step"):
         per["= " + name] += [e[1] / 1e3 for e in events if e[2] == name]
+    begins = [e for e in events if e[2] == "step.begin_step"]
+    if begins:
+        start, dur, _ = begins[-1]
+        lines.append(f"-- the last traced begin_step: {dur / 1e3:.1f} us; its events of 20 us or more")
+        lines += [f"   +{(e[0] - start) / 1e3:7.1f} {e[1] / 1e3:7.1f}  {e[2][:110]}" for e in events
+                  if e[0] >= start and e[0] + e[1] <= start + dur and e[1] >= 20_000 and e[2] != "step.begin_step"]
     table = [f"{'us (median)':>12} {'calls':>6}  name (inside one gather, or = the annotated call itself)"]
     table += [f"{statistics.median(v):12.1f} {len(v):6d}  {k[:100]}"
               for k, v in sorted(((k, v) for k, v in per.items() if v), key=lambda kv: -statistics.median(kv[1]))]
