@@ -9,7 +9,7 @@ import pytest
 import dcp_scenario
 from ckv_jax import dcp_step, formats, full_ckv, placement
 from ckv_jax.dcp_layout import DcpLayout
-from ckv_jax.prefetch import PrefetchOrchestrator, target_layers
+from ckv_jax.prefetch import PrefetchOrchestrator, RegisteredLayers, target_layers
 from ckv_jax.prefetch_config import GatherConfig
 from ckv_jax.step_plan import build_step_plan
 from helpers import copies_of_at_least, mesh_of
@@ -32,6 +32,14 @@ def test_targets_skip_pending_and_stop_at_first_unregistered_layer():
     assert target_layers(1, 3, registered, {2: 0}) == []
     assert target_layers(1, 3, registered, {}) == [2]
     assert target_layers(3, 2, [True] * 5, {}) == [4]          # past the last layer
+
+
+def test_registered_layers_are_bound_and_alive_caches():
+    alive, gone = jnp.arange(4), jnp.arange(4)
+    gone.delete()                                               # as a donated cache is
+    registered = RegisteredLayers([None, alive, gone, alive])
+    assert len(registered) == 4 and [registered[i] for i in range(4)] == [False, True, False, True]
+    assert target_layers(0, 3, registered, {}) == [1]          # stops at the deleted cache of layer 2
 
 
 def test_native_record_formats_support_lookahead():
