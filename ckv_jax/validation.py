@@ -40,7 +40,7 @@ def _dtypes(dtypes: tuple) -> tuple:
 
 
 def check_array(name: str, x, dtypes, shape_pattern: str, ndim: int):
-    """Kept to attribute reads: the one-call API checks its arguments on every call."""
+    """Reads attributes only (no array op): the one-call API runs it on every call."""
     _require_array(name, x)
     dtypes = _dtypes(tuple(dtypes))
     dtype = x.dtype if isinstance(x.dtype, np.dtype) else jnp.dtype(x.dtype)

@@ -123,6 +123,9 @@ class TorchCkvAdapter:
         if len(local) != 1:
             raise ValueError(f"mesh: expected one device of this process (one process per GPU), got {len(local)}")
         self.mesh, self.device = mesh, local[0]
+        # torch's device of the same memory: the GPU of JAX's device, or the host
+        self.torch_device = torch.device("cuda", self.device.local_hardware_id) if self.device.platform == "gpu" \
+            else torch.device("cpu")
         self.config = config
         self.max_num_seqs = max_num_seqs
         self.min_world_size = min_world_size
@@ -131,7 +134,7 @@ class TorchCkvAdapter:
         pool = {}
         if self.events:
             pool = dict(pool_type=TorchWorkspacePool,
-                        pool_args=dict(device=self.events.device, jax_device=self.device))
+                        pool_args=dict(device=self.torch_device, jax_device=self.device))
         self.orch = PrefetchOrchestrator(mesh, self.layout, self.fmt, max_num_seqs=max_num_seqs, config=config,
                                          ubatches=ubatches, speculative=speculative,
                                          implementation=implementation, interpret=interpret,
@@ -156,7 +159,7 @@ class TorchCkvAdapter:
             log.warning("torch<->JAX ordering falls back to DLPack imports and exports per layer "
                         "(host-bound, no prefetch overlap): %s", found.why)
             return None
-        return stream_handoff.StreamEvents(torch.device("cuda", self.device.local_hardware_id), found.stream)
+        return stream_handoff.StreamEvents(self.torch_device, found.stream)
 
     # -- planning --------------------------------------------------------------------------------
     @property
@@ -216,11 +219,10 @@ class TorchCkvAdapter:
         produces the next latents); with the DLPack path, fresh tensors per call."""
         self._require_step("chunk_buffers")
         if kv_c_dtype not in KV_C_DTYPES:
-            raise TypeError(f"kv_c_dtype: expected one of {_names(KV_C_DTYPES)}, got {kv_c_dtype}")
+            raise TypeError(f"kv_c_dtype: expected one of {bridge.dtype_names(KV_C_DTYPES)}, got {kv_c_dtype}")
         shapes = ((kv_c_dtype, self.fmt.nope_dim), (torch.bfloat16, self.fmt.rope_dim))
         if self.events is None:
-            device = torch.device("cuda", self.device.local_hardware_id) if self.device.platform == "gpu" else "cpu"
-            return tuple(torch.empty((self.plan.num_tokens, w), dtype=d, device=device) for d, w in shapes)
+            return tuple(torch.empty((self.plan.num_tokens, w), dtype=d, device=self.torch_device) for d, w in shapes)
         return tuple(self._chunk_view(d, w) for d, w in shapes)
 
     def set_current_chunk(self, kv_c: torch.Tensor, k_pe: torch.Tensor):
@@ -236,8 +238,8 @@ class TorchCkvAdapter:
             bridge.check_tensor("kv_c", kv_c, self.device)
             bridge.check_tensor("k_pe", k_pe, self.device)
         else:
-            _check_copied("kv_c", kv_c, KV_C_DTYPES, self.events.device)
-            _check_copied("k_pe", k_pe, (torch.bfloat16,), self.events.device)
+            _check_copied("kv_c", kv_c, KV_C_DTYPES, self.torch_device)
+            _check_copied("k_pe", k_pe, (torch.bfloat16,), self.torch_device)
         self._chunk = (kv_c, k_pe)
 
     def gather(self, layer_idx: int | None, kv_cache: torch.Tensor, *, lane="target",
@@ -300,7 +302,7 @@ class TorchCkvAdapter:
             return view
         held = self._chunk_buffers.get(key)
         if held is None or held[0].shape[0] != self._chunk_rows:
-            buf = torch.empty((self._chunk_rows, width), dtype=dtype, device=self.events.device)
+            buf = torch.empty((self._chunk_rows, width), dtype=dtype, device=self.torch_device)
             held = self._chunk_buffers[key] = (buf, _replicated_on(
                 self.mesh, bridge.to_jax(buf, name="chunk buffer", device=self.device)))
         view = self._chunk_views[key] = held[0][:self.plan.num_tokens]     # sliced once per step
@@ -366,16 +368,12 @@ class TorchCkvAdapter:
 KV_C_DTYPES = tuple(getattr(torch, jnp.dtype(d).name) for d in validation.KV_C_DTYPES)
 
 
-def _names(dtypes) -> list[str]:
-    return [str(d).replace("torch.", "") for d in dtypes]
-
-
 def _check_copied(name: str, tensor, dtypes, device: torch.device):
     """A tensor torch will copy on this device: type, dtype, device and grad (no layout rule)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in dtypes:
-        raise TypeError(f"{name}: expected one of {_names(dtypes)}, got {tensor.dtype}")
+        raise TypeError(f"{name}: expected one of {bridge.dtype_names(dtypes)}, got {tensor.dtype}")
     if tensor.device != device:
         raise ValueError(f"{name}: on {tensor.device}, expected {device} (the adapter's GPU)")
     if tensor.requires_grad:

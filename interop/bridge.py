@@ -34,6 +34,11 @@ class CudaGraphCaptureError(RuntimeError):
     """Raised by every bridge entry while torch captures a CUDA graph on the current stream."""
 
 
+def dtype_names(dtypes) -> list[str]:
+    """torch dtypes as error messages name them ("bfloat16", not "torch.bfloat16")."""
+    return [str(d).replace("torch.", "") for d in dtypes]
+
+
 def check_not_capturing(what: str):
     # a capture needs CUDA initialized; is_initialized is the cheap test (is_available asks NVML)
     if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
@@ -71,7 +76,7 @@ def check_tensor(name: str, tensor, device=None):
                         f"e.g. interop.int32_indices({name})")
     if tensor.dtype not in ALLOWED_DTYPES:
         raise TypeError(f"{name}: dtype {tensor.dtype} does not cross zero-copy; expected one of "
-                        f"{[str(d).replace('torch.', '') for d in ALLOWED_DTYPES]} (move fp4 records as uint8)")
+                        f"{dtype_names(ALLOWED_DTYPES)} (move fp4 records as uint8)")
     if tensor.requires_grad:
         raise ValueError(f"{name}: requires grad; pass tensor.detach()")
     if not tensor.is_contiguous():

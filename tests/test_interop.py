@@ -87,13 +87,6 @@ def _adapter(depth, engine, **kw):
                                    min_world_size=1, **kw)
 
 
-def _synchronous_gather(engine, layer, plan):
-    """The pure-JAX pipeline's answer: the layer's cache (after its write) gathered now."""
-    cache = placement.place_caches([engine.caches[layer].cpu().numpy()], one_device_mesh())
-    return np.asarray(full_ckv.all_gather_ckv(cache, jnp.asarray(engine.block_table.cpu().numpy()), plan,
-                                              mesh=one_device_mesh(), format=engine.fmt))
-
-
 @pytest.mark.parametrize("depth", [0, 1, 2])
 def test_adapter_workspaces_equal_the_pure_jax_gather(depth):
     layers = 3
@@ -112,7 +105,7 @@ def test_adapter_workspaces_equal_the_pure_jax_gather(depth):
             assert ws.dtype == torch.uint8 and ws.shape == (adapter.orch.memory.capacity, FP8.record_bytes)
             got = ws[:adapter.rows].numpy().copy()
             del ws                                        # a slot is reused depth + 1 layers later
-            np.testing.assert_array_equal(got, _synchronous_gather(engine, layer, plan))
+            np.testing.assert_array_equal(got, engine.gathered_now(engine.caches[layer], plan))
     kinds = [how for _, _, how, _ in adapter.orch.decisions]
     # the last step: layer 0 is gathered when entered; with lookahead every later layer was prefetched
     assert kinds == ["sync"] + (["sync"] if depth == 0 else ["prefetched"]) * (layers - 1)
@@ -142,7 +135,7 @@ def test_chunk_buffers_on_the_dlpack_path_are_fresh_tensors_the_engine_fills():
             ws = adapter.gather(layer, engine.caches[layer])
             got = ws[:adapter.rows].numpy().copy()
             del ws
-            np.testing.assert_array_equal(got, _synchronous_gather(engine, layer, plan))
+            np.testing.assert_array_equal(got, engine.gathered_now(engine.caches[layer], plan))
     assert adapter.chunk_buffers(torch.float32)[0].dtype == torch.float32
     with pytest.raises(TypeError, match=r"kv_c_dtype: expected one of \['bfloat16', 'float16', 'float32'\], "
                                         r"got torch.int8"):

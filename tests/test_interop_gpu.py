@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import interop
-from ckv_jax import formats, full_ckv, placement
+from ckv_jax import formats, placement
 from ckv_jax.prefetch_config import GatherConfig
 from helpers import copies_of_at_least
 from interop import torch_records
@@ -80,7 +80,6 @@ def test_prefetch_stays_exact_while_torch_writes_and_churns(depth, ordering, str
     adapter = _adapter(depth, ordering, layers)
     assert adapter.ordering == ordering
     a = torch.randn(4096, 4096, device="cuda")
-    mesh = jax.make_mesh((1,), (placement.DCP_AXIS,), devices=jax.devices()[:1])
     torch_stream = torch.cuda.Stream() if stream == "side" else torch.cuda.default_stream()
     with torch.cuda.stream(torch_stream):
         for _ in range(2):
@@ -106,10 +105,7 @@ def test_prefetch_stays_exact_while_torch_writes_and_churns(depth, ordering, str
                     del ws
                 torch_stream.synchronize()
                 for layer in range(layers):
-                    expect = full_ckv.all_gather_ckv(placement.place_caches([want[layer].cpu().numpy()], mesh),
-                                                     jnp.asarray(engine.block_table.cpu().numpy()), plan, mesh=mesh,
-                                                     format="fp8_ds_mla")
-                    np.testing.assert_array_equal(got[layer].cpu().numpy(), np.asarray(expect),
+                    np.testing.assert_array_equal(got[layer].cpu().numpy(), engine.gathered_now(want[layer], plan),
                                                   err_msg=f"depth {depth} {ordering} {stream} layer {layer}")
     adapter.close()
 
@@ -122,7 +118,6 @@ def test_chunk_buffers_grow_with_the_step_and_stay_exact():
     layers = 3
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
     adapter = _adapter(2)
-    mesh = jax.make_mesh((1,), (placement.DCP_AXIS,), devices=jax.devices()[:1])
     small = (STEPS[0][0], np.array([2, 2, 2]))      # a pure prefill needs two query tokens per request
     rows = []
     for hist, q in [small, small] + list(STEPS):
@@ -137,9 +132,8 @@ def test_chunk_buffers_grow_with_the_step_and_stay_exact():
                 assert not kv.is_contiguous()
             adapter.set_current_chunk(kv, pe)
             ws = adapter.gather(layer, engine.caches[layer])[:adapter.rows].clone()
-            want = full_ckv.all_gather_ckv(placement.place_caches([engine.caches[layer].cpu().numpy()], mesh),
-                                           jnp.asarray(engine.table_host), plan, mesh=mesh, format="fp8_ds_mla")
-            np.testing.assert_array_equal(ws.cpu().numpy(), np.asarray(want), err_msg=f"T {plan.num_tokens} layer {layer}")
+            np.testing.assert_array_equal(ws.cpu().numpy(), engine.gathered_now(engine.caches[layer], plan),
+                                          err_msg=f"T {plan.num_tokens} layer {layer}")
         rows.append(sorted({buffer.shape[0] for buffer, _ in adapter._chunk_buffers.values()}))
     assert rows == [[], [8], [64], [64]]
     with pytest.raises(TypeError, match=r"k_pe: expected one of \['bfloat16'\], got torch.float32"):
@@ -166,7 +160,6 @@ def test_latents_written_into_the_chunk_buffers_are_taken_without_a_copy():
     layers = 4
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
     adapter = _adapter(2)
-    mesh = jax.make_mesh((1,), (placement.DCP_AXIS,), devices=jax.devices()[:1])
     a = torch.randn(4096, 4096, device="cuda")
     copies = {}
     for step, (hist, q) in enumerate(list(STEPS) * 2):
@@ -193,9 +186,7 @@ def test_latents_written_into_the_chunk_buffers_are_taken_without_a_copy():
             if step:                                  # the first step only discovers the caches (no patch)
                 copies.setdefault(in_place, set()).add(n)
             ws = holder.pop()[:adapter.rows].clone()
-            want = full_ckv.all_gather_ckv(placement.place_caches([engine.caches[layer].cpu().numpy()], mesh),
-                                           jnp.asarray(engine.table_host), plan, mesh=mesh, format="fp8_ds_mla")
-            np.testing.assert_array_equal(ws.cpu().numpy(), np.asarray(want),
+            np.testing.assert_array_equal(ws.cpu().numpy(), engine.gathered_now(engine.caches[layer], plan),
                                           err_msg=f"step {step} layer {layer} in place {in_place}")
     assert copies == {False: {2}, True: {0}}
     adapter.close()

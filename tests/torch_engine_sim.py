@@ -1,8 +1,11 @@
 """A torch engine's side of a DCP prefill, for the interop tests: per rank, paged caches that torch
 owns and writes itself (interop.torch_records), one shared block table, chunked prefill steps."""
+import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
+from ckv_jax import full_ckv, placement
 from ckv_jax.dcp_layout import DcpLayout
 from ckv_jax.step_plan import build_step_plan
 from interop import torch_records
@@ -45,3 +48,10 @@ class TorchEngine:
         """This rank's share of the chunk into its cache of `layer` (the DCP slot mapping)."""
         slots = self.layout.slot_mapping(plan.positions(), plan.req_id_per_token, self.table_host, self.rank)
         torch_records.write(self.caches[layer], torch_records.encode(self.fmt.name, kv, pe), slots)
+
+    def gathered_now(self, cache: torch.Tensor, plan) -> np.ndarray:
+        """The pure-JAX answer of a one-rank engine: `cache` (one layer's, after its write, or a
+        snapshot of it) gathered now on one device through the engine's block table."""
+        mesh = jax.make_mesh((1,), (placement.DCP_AXIS,), devices=jax.devices()[:1])
+        return np.asarray(full_ckv.all_gather_ckv(placement.place_caches([cache.cpu().numpy()], mesh),
+                                                  jnp.asarray(self.table_host), plan, mesh=mesh, format=self.fmt))

@@ -6,13 +6,12 @@ callback, the completion callback).
 
 Runs `interop.bench.Workload` (one request, D = 1, fp8_ds_mla, 8 layers, 4 ms of
 `torch.cuda._sleep` per layer on torch's default stream, so the host runs far ahead of the GPU),
-three warm steps, then two steps under `jax.profiler.trace` with each layer's
-`set_current_chunk` and `gather` annotated.  Prints, per name, the median over the traced
-layers of the time its events take inside one `gather` (an event counts in each of its parents
-of other names), then every event of two layers' `gather` with its offset, and the longer
-events of one `begin_step`.  The host tracer itself
-adds time to every event it records: compare pieces with each other, not with untraced
-timings.
+three warm steps, then two steps of the bench's own layer loop under `jax.profiler.trace`, with
+the adapter's `set_current_chunk` and `gather` annotated.  Prints, per name, the median over the
+traced layers of the time its events take inside one `gather` (an event counts in each of its
+parents of other names), then every event of two layers' `gather` with its offset, and the
+longer events of one `begin_step`.  The host tracer itself adds time to every event it records:
+compare pieces with each other, not with untraced timings.
 """
 from __future__ import annotations
 
@@ -33,23 +32,18 @@ from jax.profiler import ProfileData, ProfileOptions, TraceAnnotation  # noqa: E
 from interop import bench  # noqa: E402
 
 
-def layers(work: bench.Workload, adapter, compute):
-    for layer, cache in enumerate(work.caches):
-        compute()
-        work.write(layer)
-        with TraceAnnotation("layer.set_current_chunk"):
-            adapter.set_current_chunk(*work.latents)
-        with TraceAnnotation("layer.gather"):
-            ws = adapter.gather(layer, cache)
-        ws[:1].sum()
-        del ws
+def annotated(adapter):
+    """`adapter` with its per-layer calls marked in the trace (the bench's own loop runs them)."""
+    for name in ("set_current_chunk", "gather"):
+        setattr(adapter, name, jax.profiler.annotate_function(getattr(adapter, name), name="layer." + name))
+    return adapter
 
 
 def host_events(work: bench.Workload, adapter, compute, steps: int = 2) -> list[tuple[int, int, str]]:
     """(start ns, duration ns, name) of the dispatching thread's events over `steps` traced steps."""
     for _ in range(3):
         work.begin_step(adapter)
-        layers(work, adapter, compute)
+        work.layers(adapter, compute)
     torch.cuda.synchronize()
     options = ProfileOptions()
     options.host_tracer_level = 3
@@ -59,7 +53,7 @@ def host_events(work: bench.Workload, adapter, compute, steps: int = 2) -> list[
             for _ in range(steps):
                 with TraceAnnotation("step.begin_step"):
                     work.begin_step(adapter)
-                layers(work, adapter, compute)
+                work.layers(adapter, compute)
             torch.cuda.synchronize()
         data = ProfileData.from_file(glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[0])
         threads = [[(e.start_ns, e.duration_ns, e.name) for e in line.events]
@@ -110,7 +104,7 @@ def main(argv=None) -> int:
         print("adapter_host_timeline needs torch and JAX on a CUDA GPU", file=sys.stderr)
         return 2
     work = bench.Workload(args.history, 4096, 8)
-    adapter = work.adapter(args.depth, args.prefetch_programs)
+    adapter = annotated(work.adapter(args.depth, args.prefetch_programs))
     print(f"history {args.history}, depth {args.depth}, prefetch programs {args.prefetch_programs}, "
           f"jax {jax.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print(summary(host_events(work, adapter, bench.compute_kernels(4.0)["sleep"])))

@@ -147,8 +147,8 @@ def main(argv=None) -> int:
         adapter.close()
     packs = "full-grid" if args.prefetch_programs is None else f"{args.prefetch_programs}-program"
     title = args.label or (f"{args.layers} layers, {args.history} history + {args.chunk} chunk tokens, "
-                           f"{args.compute} {args.compute_ms} ms/layer on torch's {args.stream} stream, {packs} prefetch packs, "
-                           f"latents {args.latents}")
+                           f"{args.compute} {args.compute_ms} ms/layer on torch's {args.stream} stream, "
+                           f"{packs} prefetch packs, latents {args.latents}")
     plot(panels, args.out + ".png", title)
     with open(args.out + ".json", "w") as f:
         json.dump(dict(title=title, code=os.path.abspath(args.code), kernels=listing), f)
