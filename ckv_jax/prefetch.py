@@ -115,8 +115,8 @@ class LaneState:
 
 class RegisteredLayers(Sequence):
     """registered[i]: layer i's cache is bound and alive.  Evaluated per entry read: a call reads
-    the next `depth` layers only, and asking every layer's array would cost each call O(layers)
-    host time (78 layers: about 8 us)."""
+    the next `depth` layers only, and asking every layer's array would cost each call host time
+    in proportion to the model's layers."""
 
     def __init__(self, caches: list):
         self._caches = caches
