@@ -11,11 +11,12 @@ slots of D * C records.  Per step:
         ws = orch.gather(layer, cache, kv_c, k_pe)  # prefetched + patched, or gathered now
         ...attention over ws (u8[D * C, R]; rows past D * P are unreachable)...
 
-`begin_step` issues the gathers of layers 0..depth-1 and `gather` those of layers L+1..L+depth
+`begin_step` issues the gathers of the first layers and `gather` those of layers L+1..L+depth
 that are registered and not already pending (JAX dispatch is asynchronous: they run on JAX's
 stream while the caller continues), stopping at the first layer whose cache is not registered,
-so the first step only discovers caches.  A call's own work and its prefetches are one program.
-Ordering comes from data dependencies: a prefetch reads the registered (pre-step) cache of its
+so the first step only discovers caches; each dispatch prefetches at most
+`PREFETCHES_PER_DISPATCH` layers, so the lookahead fills over the first calls.  A call's own
+work and its prefetches are one program.  Ordering comes from data dependencies: a prefetch reads the registered (pre-step) cache of its
 layer, and JAX orders a later donation or overwrite of that cache after the read.
 
 Invariant: every decision (sync or prefetched, which targets) depends only on the call sequence
@@ -42,15 +43,24 @@ from ckv_jax.step_plan import StepPlan
 log = logging.getLogger("ckv_jax.prefetch")
 
 
-def target_layers(layer: int, depth: int, registered, pending) -> list[int]:
+# The most gathers one dispatch prefetches.  JAX runs a device's programs on one stream in order,
+# so every gather queued ahead of a layer's patch delays that layer: queueing the whole lookahead
+# at once (depth gathers at begin_step) puts depth - 1 unneeded gathers in front of layer 0's
+# patch.  Two per dispatch fill the lookahead one layer per call (one to keep pace, one to gain),
+# so a patch waits for at most two gathers.
+PREFETCHES_PER_DISPATCH = 2
+
+
+def target_layers(layer: int, depth: int, registered, pending, limit: int | None = None) -> list[int]:
     """Layers to prefetch when entering `layer`: layer+1..layer+depth, skipping pending ones,
-    stopping at the first layer without a registered cache (or past the last layer).
+    stopping at the first layer without a registered cache (or past the last layer), the first
+    `limit` of them (all with None).
 
     registered: sequence whose entry i is truthy when layer i's cache is registered.
     """
     targets = []
     for t in range(layer + 1, layer + depth + 1):
-        if t >= len(registered) or not registered[t]:
+        if t >= len(registered) or not registered[t] or (limit is not None and len(targets) == limit):
             break
         if t not in pending:
             targets.append(t)
@@ -211,10 +221,11 @@ class PrefetchOrchestrator:
                    after=None):
         """Start a step: pending prefetches of every lane are dropped, cache bindings kept.
 
-        prefetch: dispatch at once, for every lane, the gathers of its first `depth` registered
-        layers.  A gather reads only the history, which earlier steps wrote, and each layer
-        patches its current chunk in when it is called; so layer 0's gather also runs beside
-        whatever the engine does before layer 0's attention, instead of in front of it.
+        prefetch: dispatch at once, for every lane, the gathers of its first registered layers
+        (up to `depth` of them, at most `PREFETCHES_PER_DISPATCH`).  A gather reads only the
+        history, which earlier steps wrote, and each layer patches its current chunk in when it
+        is called; so layer 0's gather also runs beside whatever the engine does before layer
+        0's attention, instead of in front of it.
         chunk_capacity: the rows of the buffers the chunk's latents will come in, when more than
         the step's tokens (`dcp_step.step_arrays`).  after: see `gather`.
         """
@@ -234,7 +245,7 @@ class PrefetchOrchestrator:
         if not (prefetch and plan.eligible):
             return
         for key, state in self._lanes.items():
-            targets = target_layers(-1, self.depth, state.registered(), state.pending)
+            targets = target_layers(-1, self.depth, state.registered(), state.pending, PREFETCHES_PER_DISPATCH)
             if not targets:
                 continue
             if after is None:
@@ -303,7 +314,7 @@ class PrefetchOrchestrator:
             index, own_cache, how = state.pending.pop(layer), None, "prefetched"
         else:
             index, own_cache, how = layer % self.slots, cache, "sync"
-        targets = target_layers(layer, self.depth, state.registered(), state.pending)
+        targets = target_layers(layer, self.depth, state.registered(), state.pending, PREFETCHES_PER_DISPATCH)
         ws = self._own_and_prefetches(state, index, own_cache, kv_c, k_pe, targets, after, ready, signal)
         self.decisions.append((key, layer, how, tuple(targets)))
         return ws

@@ -22,9 +22,9 @@ while torch computes layer L.  Two ordering protocols, chosen once (`ordering`):
   slots are torch memory imported into JAX once, and every gather and patch writes into them in
   place; the chunk's latents are read from two persistent buffers, imported once (again only
   when a step has more tokens than they hold), which the engine writes into (`chunk_buffers`)
-  or torch copies other tensors into.  `begin_step` dispatches the gathers
-  of the first `depth` layers at once (JAX's stream first waits on torch's, for the caches'
-  last writes).  Per call: JAX's stream waits on an event of torch's current stream (so JAX
+  or torch copies other tensors into.  `begin_step` dispatches the gathers of the first layers
+  (`depth` of them, at most two; JAX's stream first waits on torch's, for the caches' last
+  writes).  Per call: JAX's stream waits on an event of torch's current stream (so JAX
   runs after torch's cache writes, the chunk copy and torch's reads of a slot it reuses); one
   program patches (or gathers) the layer's slot, records an event on JAX's stream from inside
   the program (`dcp_step.signal_when_ready`), then gathers the later layers; torch's stream
@@ -180,8 +180,8 @@ class TorchCkvAdapter:
         chunk); block_table: int32[R, max_blocks], identical on every rank: on the host (a CPU
         tensor such as vLLM's block_table_cpu, or an array), or on this GPU, where reading it
         makes the host wait for the work torch has queued so far.
-        With the cuda-events ordering the gathers of the first `depth` layers start here, after
-        the work queued on torch's current stream so far.
+        With the cuda-events ordering the gathers of the first layers (`depth` of them, at most
+        two) start here, after the work queued on torch's current stream so far.
         """
         bridge.check_not_capturing("begin_step")
         self._drain()

@@ -9,7 +9,7 @@ import pytest
 import dcp_scenario
 from ckv_jax import dcp_step, formats, full_ckv, placement
 from ckv_jax.dcp_layout import DcpLayout
-from ckv_jax.prefetch import PrefetchOrchestrator, RegisteredLayers, target_layers
+from ckv_jax.prefetch import PREFETCHES_PER_DISPATCH, PrefetchOrchestrator, RegisteredLayers, target_layers
 from ckv_jax.prefetch_config import GatherConfig
 from ckv_jax.step_plan import build_step_plan
 from helpers import copies_of_at_least, mesh_of
@@ -40,6 +40,14 @@ def test_registered_layers_are_bound_and_alive_caches():
     registered = RegisteredLayers([None, alive, gone, alive])
     assert len(registered) == 4 and [registered[i] for i in range(4)] == [False, True, False, True]
     assert target_layers(0, 3, registered, {}) == [1]          # stops at the deleted cache of layer 2
+
+
+def test_a_dispatch_prefetches_at_most_its_limit_and_the_lookahead_fills_over_calls():
+    assert target_layers(-1, 4, [True] * 8, {}, limit=2) == [0, 1]
+    assert target_layers(0, 4, [True] * 8, {1: 1}, limit=2) == [2, 3]     # pending layers do not count
+    assert target_layers(1, 4, [True] * 8, {2: 2, 3: 3}, limit=2) == [4, 5]
+    assert target_layers(2, 4, [True] * 8, {3: 3, 4: 4, 5: 0}, limit=2) == [6]
+    assert PREFETCHES_PER_DISPATCH == 2
 
 
 def test_native_record_formats_support_lookahead():
@@ -136,13 +144,15 @@ def test_every_depth_gives_the_synchronous_bytes_over_chunked_steps(d, fmt):
                 np.testing.assert_array_equal(ws, want, err_msg=f"depth {depth} step {s} layer {l}")
             per_step.append(list(engine.orch.decisions))
         results[depth] = per_step
-    # the first step only discovers caches; later steps prefetch the first depth layers at
-    # begin_step and then depth layers ahead of each call
+    # the first step only discovers caches; later steps prefetch the first layers at begin_step
+    # and then up to depth layers ahead of each call, at most two per dispatch
     assert all(how == "sync" and not targets for _, _, how, targets in results[2][0])
     assert results[2][1] == [("target", None, "begin_step", (0, 1)), ("target", 0, "prefetched", (2,)),
                              ("target", 1, "prefetched", (3,)), ("target", 2, "prefetched", ()),
                              ("target", 3, "prefetched", ())]
-    assert results[3][1][0] == ("target", None, "begin_step", (0, 1, 2))
+    assert results[3][1] == [("target", None, "begin_step", (0, 1)), ("target", 0, "prefetched", (2, 3)),
+                             ("target", 1, "prefetched", ()), ("target", 2, "prefetched", ()),
+                             ("target", 3, "prefetched", ())]
     assert [how for _, _, how, _ in results[0][1]] == ["sync"] * LAYERS
 
 
@@ -171,7 +181,7 @@ def test_begin_step_drops_prefetches_of_an_unfinished_step():
     engine.orch.begin_step(plan, engine.layers[0].block_table, prefetch=False)
     assert not engine.orch.lane("target").pending and engine.orch.decisions == []
     engine.orch.begin_step(plan, engine.layers[0].block_table)    # the new step's own first prefetches
-    assert engine.orch.decisions == [("target", None, "begin_step", (0, 1, 2))]
+    assert engine.orch.decisions == [("target", None, "begin_step", (0, 1))]
     out = engine.run_layers(plan, hist, q, range(LAYERS))
     for l, ws in enumerate(out):
         np.testing.assert_array_equal(ws, dcp_scenario.expected_workspace(engine.layers[l], seq_lens=hist + q,
