@@ -88,7 +88,7 @@ def sparse_mla_attention(q, records, indices, counts, sm_scale, *, format: str |
     """Sparse MLA over selected records, by a kernel that reads the records directly.
 
     The semantics of `sparse_mla_reference` (this module's docstring), computed with bf16
-    products and float32 accumulation by the Pallas kernel (relative errors about 1e-2), or by
+    products and float32 accumulation by a Pallas kernel (relative errors about 1e-2), or by
     the blocked XLA reference.
 
     Args:
@@ -96,8 +96,9 @@ def sparse_mla_attention(q, records, indices, counts, sm_scale, *, format: str |
         cache viewed flat with slots as indices); indices: i32[T, K]; counts: i32[T];
       sm_scale: positive and finite.
       implementation: None (the measured choice for the device, else XLA), one of
-        IMPLEMENTATIONS ("pallas_triton": the kernel), or a sequence tried in order.
-      interpret: run the Pallas kernel in interpret mode (CPU testing).
+        IMPLEMENTATIONS ("pallas_triton": the Triton kernel, every format; "pallas_mosaic_gpu":
+        the warp-specialized wgmma kernel, fp8_ds_mla records, SM90+), or a sequence tried in order.
+      interpret: run a Pallas kernel in interpret mode (CPU testing).
     Returns:
       out bf16[T, H, 512], lse f32[T, H].
     """

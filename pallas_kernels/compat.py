@@ -40,6 +40,12 @@ def mosaic_gpu_interpret_params():
     return InterpretGPUParams()
 
 
+def single_barrier(ref):
+    """The barrier of a `plgpu.Barrier` scratch of one barrier: a ref of shape (1,) in jax 0.10,
+    of shape () in 0.11."""
+    return ref if ref.shape == () else ref.at[0]
+
+
 def on_gpu(device: jax.Device | None = None) -> bool:
     device = device or jax.devices()[0]
     return device.platform == "gpu"

@@ -12,11 +12,12 @@ import ckv_jax
 import oracle
 from ckv_jax import formats, sparse_mla
 from pallas_kernels import sparse_mla_attention as attention_op
-from pallas_kernels.sparse_mla_attention import AttentionTiles, pallas_triton, reference
+from pallas_kernels.sparse_mla_attention import AttentionTiles, MosaicAttentionTiles, pallas_triton, reference
 
 NAMES = ["fp8_ds_mla", "nvfp4_ds_mla", "bf16"]
 N = 96                     # records
 K = 37                     # top-k columns: not a multiple of any tile
+MOSAIC = "fp8_ds_mla"      # the one format the Mosaic GPU kernel reads
 
 
 @np.errstate(invalid="ignore", over="ignore")
@@ -116,6 +117,14 @@ def test_kernel_tiles_give_the_same_attention(tiles, kernel_mode):
 def test_a_nan_reaches_its_row_and_only_its_row(name, implementation):
     """A NaN in q[t, h] poisons (t, h) only; a NaN in a selected record poisons every head of the
     rows that select it within their counts; a NaN record behind a hole or past a count does not."""
+    check_the_nan_rule(name, implementation)
+
+
+def test_the_mosaic_kernel_keeps_the_nan_rule(kernel_mode):
+    check_the_nan_rule(MOSAIC, dict(implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret"))
+
+
+def check_the_nan_rule(name, implementation):
     q, records, indices, counts, sm_scale = make_case(name, 4, 16, seed=3)
     q[0, 2, 7] = np.nan
     bad = N - 1
@@ -153,8 +162,61 @@ def test_bad_input_is_named_before_anything_runs():
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="sm_scale: expected a positive finite number"):
             call(q, records, indices, counts, bad, format="fp8_ds_mla")
-    with pytest.raises(ValueError, match=r"implementation: expected one of \['pallas_triton', 'xla'\]"):
+    with pytest.raises(ValueError, match=r"implementation: expected one of \['pallas_mosaic_gpu', 'pallas_triton', 'xla'\]"):
         call(q, records, indices, counts, sm_scale, format="fp8_ds_mla", implementation="flashmla")
+
+
+@pytest.mark.parametrize("heads", [16, 128, 5])
+def test_the_mosaic_kernel_matches_the_oracle(heads, kernel_mode):
+    """Heads padded to the CTA's 64 (5, 16) and two CTAs a token (128); K = 37 (one partial tile
+    of 64), holes, rows outside [0, N), duplicates, counts 0 and 19."""
+    q, records, indices, counts, sm_scale = make_case(MOSAIC, 3, heads, seed=heads)
+    got = ckv_jax.sparse_mla_attention(jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices),
+                                       jnp.asarray(counts), sm_scale, format=MOSAIC, implementation="pallas_mosaic_gpu",
+                                       interpret=kernel_mode == "interpret")
+    assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
+    assert_close(MOSAIC, got, oracle_attention(MOSAIC, q, records, indices, counts, sm_scale), f"mosaic H={heads}")
+
+
+def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(kernel_mode):
+    """130 entries (three tiles of 64, the last partial) with scores in the tens: each tile's fp8
+    scale must multiply its own products, exactly."""
+    q, records, indices, counts, sm_scale = make_case(MOSAIC, 3, 16, seed=13, k=130)
+    q = (q.astype(np.float32) * 16).astype(ml_dtypes.bfloat16)
+    want = oracle_attention(MOSAIC, q, records, indices, counts, sm_scale)
+    assert np.abs(want[1][np.isfinite(want[1])]).max() > 40, "the case must reach large scores"
+    got = ckv_jax.sparse_mla_attention(jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices),
+                                       jnp.asarray(counts), sm_scale, format=MOSAIC, implementation="pallas_mosaic_gpu",
+                                       interpret=kernel_mode == "interpret")
+    assert_close(MOSAIC, got, want, "mosaic, three tiles, large scores")
+
+
+def test_the_mosaic_kernel_is_named_for_fp8_records_only():
+    q, records, indices, counts, sm_scale = (jnp.asarray(a) if isinstance(a, np.ndarray) else a
+                                             for a in make_case("bf16", 2, 16, seed=1))
+    with pytest.raises(ValueError, match="pallas_mosaic_gpu reads fp8_ds_mla records only"):
+        ckv_jax.sparse_mla_attention(q, records, indices, counts, sm_scale, format="bf16",
+                                     implementation="pallas_mosaic_gpu", interpret=True)
+    q8, records8, indices8, counts8, _ = (jnp.asarray(a) if isinstance(a, np.ndarray) else a
+                                          for a in make_case(MOSAIC, 2, 16, seed=1))
+    with pytest.raises(TypeError, match="config: expected MosaicAttentionTiles"):
+        attention_op.sparse_mla_attention(q8, records8, indices8, counts8, sm_scale, layout=formats.get(MOSAIC).layout,
+                                          implementation="pallas_mosaic_gpu", interpret=True,
+                                          config=AttentionTiles())
+    with pytest.raises(ValueError, match="block_k: expected 64"):
+        MosaicAttentionTiles(block_k=32)
+    wide = jnp.zeros((2, 4097), jnp.int32)
+    with pytest.raises(ValueError, match=r"indices: .* at most 4096 entries; got int32\[2, 4097\]"):
+        attention_op.sparse_mla_attention(q8, records8, wide, counts8, sm_scale, layout=formats.get(MOSAIC).layout,
+                                          implementation="pallas_mosaic_gpu", interpret=True)
+
+
+def test_the_mosaic_kernel_lowers_for_cuda():
+    sds = jax.ShapeDtypeStruct
+    text = jax.jit(lambda q, r, i, c: attention_op.sparse_mla_attention_mosaic(q, r, i, c, 0.04)).trace(
+        sds((64, 64, 576), jnp.bfloat16), sds((4096, 656), jnp.uint8), sds((64, 2048), jnp.int32),
+        sds((64,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call") == 1 and "ckv_sparse_mla_attention_mgpu_fp8" in text
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -189,7 +251,7 @@ def test_the_automatic_choice_is_xla_until_a_measured_table_says_otherwise():
     op = attention_op.SPARSE_MLA_ATTENTION
     assert op.select(None, device, 1 << 20, 1 << 30).name == "xla"
     assert op.select("pallas_triton", device, 1 << 20, 1 << 30, interpret=True).name == "pallas_triton"
-    assert set(sparse_mla.IMPLEMENTATIONS) == {"pallas_triton", "xla"}
+    assert set(sparse_mla.IMPLEMENTATIONS) == {"pallas_mosaic_gpu", "pallas_triton", "xla"}
 
 
 def test_full_ckv_attention_runs_the_kernel(kernel_mode):

@@ -1,11 +1,11 @@
 """Sparse-MLA attention over native records: one `KernelOp` (SPARSE_MLA_ATTENTION).
 
 Names: ``"pallas_triton"`` (the kernel that reads and dequantizes the records; GPU, interpret
-mode on CPU for tests) and ``"xla"`` (the reference blocked over query tokens, any backend).
-`implementation=None` takes the measured order for the device and size (`pallas_kernels.tuning`,
-op "sparse_mla_attention"; no device kind has one yet), else DEFAULT_ORDER: XLA first.  The
-kernel runs where a caller names it until the GPU has measured its current form (its fp8 tiles
-keep their values exact since it last ran there; BENCHMARKS.md, seventh session).
+mode on CPU for tests), ``"pallas_mosaic_gpu"`` (warp-specialized wgmma kernel; fp8_ds_mla
+records, SM90+, interpret mode on CPU) and ``"xla"`` (the reference blocked over query tokens,
+any backend).  `implementation=None` takes the measured order for the device and size
+(`pallas_kernels.tuning`, op "sparse_mla_attention"; no device kind has one yet), else
+DEFAULT_ORDER: XLA first.  The kernels run where a caller names them (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -14,19 +14,37 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import selection
+from pallas_kernels import compat, selection
 from pallas_kernels.record_layout import RecordLayout
-from pallas_kernels.sparse_mla_attention import pallas_triton
+from pallas_kernels.sparse_mla_attention import pallas_mosaic_gpu, pallas_triton
+from pallas_kernels.sparse_mla_attention.pallas_mosaic_gpu import MosaicAttentionTiles
 from pallas_kernels.sparse_mla_attention.pallas_triton import AttentionTiles
 from pallas_kernels.sparse_mla_attention.reference import attention_blocked
 
-DEFAULT_ORDER = ("xla", "pallas_triton")
+DEFAULT_ORDER = ("xla", "pallas_triton", "pallas_mosaic_gpu")
+MOSAIC_FORMAT = "fp8_tiles"          # the one record layout the Mosaic GPU kernel reads
 
 
 def _run_triton(q, records, indices, counts, sm_scale, *, layout, out_dtype, interpret=False, config=None):
+    if config is not None and not isinstance(config, AttentionTiles):
+        raise TypeError(f"config: expected AttentionTiles for pallas_triton, got {type(config).__name__}")
     return pallas_triton.sparse_mla_attention_triton(q, records, indices, counts, sm_scale, layout=layout,
                                                      config=config or AttentionTiles(), out_dtype=out_dtype,
                                                      interpret=interpret)
+
+
+def _run_mosaic(q, records, indices, counts, sm_scale, *, layout, out_dtype, interpret=False, config=None):
+    if layout.kind != MOSAIC_FORMAT:
+        raise ValueError(f"implementation: pallas_mosaic_gpu reads fp8_ds_mla records only, got records of "
+                         f"layout {layout.kind}; use pallas_triton or xla")
+    if config is not None and not isinstance(config, pallas_mosaic_gpu.MosaicAttentionTiles):
+        raise TypeError(f"config: expected MosaicAttentionTiles for pallas_mosaic_gpu, got {type(config).__name__}")
+    params = compat.mosaic_gpu_interpret_params() if interpret else False
+    if interpret and params is None:
+        raise ValueError("interpret: this jax has no Mosaic GPU interpret mode")
+    return pallas_mosaic_gpu.sparse_mla_attention_mosaic(
+        q, records, indices, counts, sm_scale, config=config or pallas_mosaic_gpu.MosaicAttentionTiles(),
+        out_dtype=out_dtype, interpret=params)
 
 
 def _run_xla(q, records, indices, counts, sm_scale, *, layout, out_dtype, interpret=False, config=None):
@@ -37,6 +55,7 @@ def _run_xla(q, records, indices, counts, sm_scale, *, layout, out_dtype, interp
 SPARSE_MLA_ATTENTION = selection.KernelOp(
     "sparse_mla_attention",
     (selection.Implementation("pallas_triton", selection.triton_supported, _run_triton),
+     selection.Implementation("pallas_mosaic_gpu", selection.mosaic_gpu_supported, _run_mosaic),
      selection.Implementation("xla", selection.always_supported, _run_xla)),
     DEFAULT_ORDER, AttentionTiles)
 
@@ -48,11 +67,12 @@ def flops(num_tokens: int, num_heads: int, top_k: int, layout: RecordLayout) -> 
 
 def sparse_mla_attention(q, records, indices, counts, sm_scale, *, layout: RecordLayout,
                          implementation: str | Sequence[str] | None = None, interpret: bool = False,
-                         config: AttentionTiles | None = None, out_dtype=jnp.bfloat16,
+                         config: AttentionTiles | MosaicAttentionTiles | None = None, out_dtype=jnp.bfloat16,
                          device: jax.Device | None = None):
     """Unchecked entry (`ckv_jax.sparse_mla_attention` checks): (out [T, H, nope_dim] out_dtype,
     lse f32[T, H]).  device: where it runs (default: the records'; pass it inside jit)."""
+    skip = () if layout.kind == MOSAIC_FORMAT else ("pallas_mosaic_gpu",)
     run = SPARSE_MLA_ATTENTION.select(implementation, device or selection.device_of(records), records.size,
                                       flops(q.shape[0], q.shape[1], indices.shape[1], layout),
-                                      interpret=interpret, config=config)
+                                      interpret=interpret, config=config, skip=skip)
     return run(q, records, indices, counts, sm_scale, layout=layout, out_dtype=out_dtype, interpret=interpret)

@@ -1,0 +1,301 @@
+"""Mosaic GPU sparse-MLA attention over fp8_ds_mla records, with wgmma on SM90.
+
+Grid (T, H_pad / 64): CTA (t, b) computes heads [64 b, 64 b + 64) of query token t, the wgmma's
+M (fewer heads are padded to 64, so 16 heads cost what 64 do).  Three warpgroups:
+
+- the memory warpgroup copies the token's index row into SMEM once, then per tile of `block_k`
+  top-k entries issues three bulk copies per row (`cp.async.bulk`, no tensor map; a copy must
+  move a multiple of 128 bytes, and a ref has one dtype): the e4m3 NoPE (bytes [0, 512), u8),
+  the 128 bytes from the tile scales on (f32, scales in its first four words) and the RoPE
+  (bf16).  An entry that is a hole, outside [0, N) or past the token's count copies row 0
+  instead, so every tile receives the same bytes; the compute side masks it out.  One slot: the
+  next tile's copies start once both compute warpgroups have moved this one into the K tile.
+- compute warpgroup w writes NoPE parts 2w and 2w + 1 (128 columns each; warpgroup 0 also the
+  RoPE) into the shared bf16 K tile [block_k, 576]: the e4m3 values themselves (exact in bf16),
+  rows of masked entries zeroed; and its parts' float32 tile scales into a [4, block_k] table
+  (a value per K row there, re-read as a value per score column).  After both have written,
+  each computes every score: five wgmmas (the RoPE and the four NoPE parts, each into its own
+  accumulator, so each part's tile scale multiplies its own products), the online softmax in
+  float32, then its half of the values: for each of its parts, (P times the part's scales) in
+  bf16 @ K[:, part] into a [64, 128] float32 accumulator.  So each warpgroup holds 256 of the
+  512 output columns (128 registers a thread), and writes them straight to GMEM at the end.
+
+Every record value reaches the MMAs exactly, as in the Triton kernel (pallas_triton.py): the
+scales multiply the float32 products, and only the softmax weights times the scales round to
+bf16.  Same contract as `reference.attention_reference`; SM90+ (wgmma, bulk copies).
+
+Where it stands (BENCHMARKS.md): at 64 and 128 heads it runs at the Triton kernel's rate, and
+its time does not change from 16 to 64 heads: it is bound by the memory warpgroup's issue of
+192 copies a tile (each copy arrives on the tile's barrier from all 128 threads), not by the
+MMAs.
+
+Interpret mode (CPU tests) runs the same pipeline, copies, barriers and masks; it has no register
+layouts and its wgmma takes neither a transposed operand nor an accumulator initialised from a
+value, so there the loads are plain, and the products are float32 dots of the same SMEM tiles.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import compat, selection
+
+HEADS_PER_CTA = 64          # the wgmma's M
+PART = 128                  # NoPE columns per part (one fp8 scale tile)
+NUM_PARTS = 4
+NOPE_DIM, ROPE_DIM = 512, 64
+RECORD_BYTES = 656          # fp8_ds_mla: e4m3 NoPE [0, 512), four f32 tile scales [512, 528), bf16 RoPE [528, 656)
+MAX_TOP_K = 4096            # a token's index row lives in SMEM beside the ~200 KB of tiles
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MosaicAttentionTiles:
+    block_k: int = 64           # top-k rows per step (the score tile's N)
+
+    def __post_init__(self):
+        selection.check_power_of_two_fields(self, ("block_k",))
+        if self.block_k != 64:
+            raise ValueError(f"block_k: expected 64 (the WGMMA layout's rows), got {self.block_k}")
+
+
+def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out_ref, lse_ref,
+            q_smem, idx_smem, nope_raw, scale_raw, rope_raw, k_smem, scales_smem,
+            loaded, raw_bar, tile_syncs, *, num_records, top_k, block_k,
+            interpret):
+    # idx_ref: i32[T, top_k]; count_ref: i32[T]; scale_ref: f32[1]; q_ref: bf16[T, H_pad, 576]
+    # rec_u8 / rec_f32 / rec_bf16: the records u8[N, 656], viewed as f32[N, 164] and bf16[N, 328]
+    # out_ref: bf16[T, H_pad, 512]; lse_ref: f32[T, H_pad]
+    # q_smem: bf16[64, 576] (swizzled); idx_smem: i32[top_k]
+    # nope_raw: u8[block_k, 512]; scale_raw: f32[block_k, 32] (scales in columns 0-3);
+    # rope_raw: bf16[block_k, 64]; k_smem: bf16[block_k, 576] (swizzled);
+    # scales_smem: f32[4, block_k]
+    # loaded: barriers[2] (q, the index row); raw_bar: the tile's record copies; tile_syncs:
+    # barriers[3] of the compute warpgroups (both read the tile's records, wrote K, read K)
+    plgpu = compat.plgpu
+    t, hb, wg = lax.axis_index("t"), lax.axis_index("hb"), lax.axis_index("wg")
+    q_bar, idx_bar = loaded.at[0], loaded.at[1]
+    consumed_bar, k_ready, k_free = tile_syncs.at[0], tile_syncs.at[1], tile_syncs.at[2]
+    raw_bar = compat.single_barrier(raw_bar)
+    count = jnp.clip(count_ref[t], 0, top_k)
+    num_tiles = (count + block_k - 1) // block_k
+    heads = pl.ds(hb * HEADS_PER_CTA, HEADS_PER_CTA)
+    in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
+
+    def load(ref, layout):
+        """ref[...] in `layout`, from an SMEM ref without transforms (interpret mode has no
+        layouts: a plain load there)."""
+        if interpret:
+            return ref[...]
+        return plgpu.load(ref, (), layout=layout, optimized=False)
+
+    def in_layout(x, layout):
+        return x if interpret else plgpu.layout_cast(x, layout)
+
+    def iota(shape, dim, layout):
+        if interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=layout)
+
+    def accumulate(acc, a, b_ref):
+        """acc + a @ b_ref: a wgmma into the accumulator (interpret mode, whose wgmma takes no
+        accumulator initialised from a value: a float32 dot)."""
+        if interpret:
+            return acc + lax.dot(a, b_ref[...], preferred_element_type=jnp.float32)
+
+        def into(acc_ref):
+            plgpu.wgmma(acc_ref, a, b_ref)
+        return pl.run_state(into)(plgpu.ACC.init(acc))
+
+    def scores_of(a_ref, b_ref):
+        """a_ref @ b_ref.T in float32: a wgmma with the transposed K tile (interpret mode, whose
+        wgmma takes no transposed operand: a float32 dot)."""
+        if interpret:
+            return lax.dot_general(a_ref[...], b_ref[...], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+
+        def body(acc_ref):
+            plgpu.wgmma(acc_ref, a_ref, plgpu.transpose_ref(b_ref, (1, 0)))
+            return acc_ref[...]
+        return pl.run_scoped(body, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
+
+    def entry_ok(pos, row):
+        return (pos < count) & (row >= 0) & (row < num_records)
+
+    def sync(barrier):
+        """Both compute warpgroups reach this point."""
+        plgpu.barrier_arrive(barrier)
+        plgpu.barrier_wait(barrier)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        plgpu.copy_gmem_to_smem(idx_ref.at[t], idx_smem, idx_bar, oob_mode=in_bounds)
+        plgpu.barrier_wait(idx_bar)
+
+        @pl.loop(0, num_tiles)
+        def _tile(i):
+            @pl.when(i > 0)
+            def _():
+                plgpu.barrier_wait(consumed_bar)         # both compute warpgroups read the slot
+
+            @pl.loop(0, block_k)
+            def _row(j):
+                pos = i * block_k + j
+                row = idx_smem[pos]
+                row = jnp.where(entry_ok(pos, row), row, 0)     # masked entries copy row 0, never used
+                plgpu.copy_gmem_to_smem(rec_u8.at[row, pl.ds(0, NOPE_DIM)], nope_raw.at[j], raw_bar,
+                                        oob_mode=in_bounds)
+                plgpu.copy_gmem_to_smem(rec_f32.at[row, pl.ds(NOPE_DIM // 4, 32)], scale_raw.at[j], raw_bar,
+                                        oob_mode=in_bounds)
+                plgpu.copy_gmem_to_smem(rec_bf16.at[row, pl.ds((NOPE_DIM + 16) // 2, ROPE_DIM)], rope_raw.at[j],
+                                        raw_bar, oob_mode=in_bounds)
+
+        @pl.when(num_tiles > 0)
+        def _():
+            plgpu.barrier_wait(consumed_bar)        # the last tile's: every phase of the barrier observed
+
+    def compute(w):
+        plgpu.set_max_registers(232, action="increase")
+        if w == 0:
+            plgpu.copy_gmem_to_smem(q_ref.at[t, heads], q_smem, q_bar)
+        plgpu.barrier_wait(idx_bar)
+        plgpu.barrier_wait(q_bar)
+        sm_scale = scale_ref[0]
+        wgmma = plgpu.Layout.WGMMA
+        rows_of = wgmma.reduce(1)          # a value per row: per head of the scores, per entry of K
+        cols_of = wgmma.reduce(0)          # a value per column: per entry of the scores
+        own = (2 * w, 2 * w + 1)
+
+        def tile(i, carry):
+            accs, m_prev, l_prev, nan_seen, seen = carry
+            pos0 = i * block_k
+            plgpu.barrier_wait(raw_bar)
+            # this warpgroup's share of the K tile: its two NoPE parts (and the RoPE for w = 0),
+            # exact e4m3 values, masked entries' rows zeroed; its parts' scales per entry
+            k_rows = load(idx_smem.at[pl.ds(pos0, block_k)], rows_of)
+            k_pos = pos0 + iota((block_k,), 0, rows_of)
+            k_ok = lax.broadcast_in_dim(entry_ok(k_pos, k_rows), (block_k, PART), (0,))
+            raw_scales = load(scale_raw, wgmma)                     # f32[block_k, 32]
+            col = iota((block_k, 32), 1, wgmma)
+            for p in own:
+                e4m3 = load(nope_raw.at[:, pl.ds(p * PART, PART)], wgmma)
+                # e4m3 -> f16 is the one hardware conversion from e4m3 (exact, like the rest of the chain)
+                k = lax.bitcast_convert_type(e4m3, jnp.float8_e4m3fn).astype(jnp.float16)
+                k = k.astype(jnp.float32).astype(jnp.bfloat16)
+                k_smem[:, pl.ds(p * PART, PART)] = jnp.where(k_ok, k, jnp.zeros_like(k))
+                scales_smem[p] = jnp.sum(jnp.where(col == p, raw_scales, 0.0), axis=1)
+            if w == 0:
+                k_smem[:, pl.ds(NOPE_DIM, ROPE_DIM)] = load(rope_raw, wgmma)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(consumed_bar)
+            sync(k_ready)
+
+            # every score: the RoPE part, then each NoPE part times its tile scale
+            s_rows = load(idx_smem.at[pl.ds(pos0, block_k)], cols_of)
+            s_pos = pos0 + iota((block_k,), 0, cols_of)
+            s_ok = lax.broadcast_in_dim(entry_ok(s_pos, s_rows), (HEADS_PER_CTA, block_k), (1,))
+
+            def scores(cols):
+                return scores_of(q_smem.at[:, cols], k_smem.at[:, cols])
+
+            s = scores(pl.ds(NOPE_DIM, ROPE_DIM))
+            part_scales = []
+            for p in range(NUM_PARTS):
+                scale_p = load(scales_smem.at[p], cols_of)
+                scale_p = lax.broadcast_in_dim(scale_p, (HEADS_PER_CTA, block_k), (1,))
+                scale_p = jnp.where(s_ok, scale_p, 0.0)                 # masked entries: weight 0, never NaN
+                if p in own:
+                    part_scales.append(scale_p)
+                s = s + scores(pl.ds(p * PART, PART)) * scale_p
+            s = jnp.where(s_ok, s * sm_scale, -jnp.inf)                    # f32[64, block_k]
+            nan_seen = jnp.maximum(nan_seen, jnp.max(jnp.where(s_ok & (s != s), 1.0, 0.0), axis=1))
+            seen = jnp.maximum(seen, jnp.max(jnp.where(s_ok, 1.0, 0.0), axis=1))
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)              # no valid entry yet: exp(-inf) = 0
+            correction = jnp.exp(m_prev - m_use)
+            p_ = jnp.exp(s - lax.broadcast_in_dim(m_use, s.shape, (0,)))
+            l_new = l_prev * correction + jnp.sum(p_, axis=1)
+            new_accs = []
+            for acc, p, scale_p in zip(accs, own, part_scales):
+                weights = (p_ * scale_p).astype(jnp.bfloat16)
+                acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
+                new_accs.append(accumulate(acc, weights, k_smem.at[:, pl.ds(p * PART, PART)]))
+            plgpu.wgmma_wait(0)
+            sync(k_free)
+            return tuple(new_accs), m_new, l_new, nan_seen, seen
+
+        zeros = lambda shape, layout: in_layout(jnp.zeros(shape, jnp.float32), layout)
+        init = ((zeros((HEADS_PER_CTA, PART), wgmma), zeros((HEADS_PER_CTA, PART), wgmma)),
+                in_layout(jnp.full((HEADS_PER_CTA,), -jnp.inf, jnp.float32), rows_of),
+                zeros((HEADS_PER_CTA,), rows_of), zeros((HEADS_PER_CTA,), rows_of), zeros((HEADS_PER_CTA,), rows_of))
+        accs, m, l, nan_seen, seen = lax.fori_loop(0, num_tiles, tile, init)
+        nan_row = nan_seen > 0
+        nonempty = seen > 0
+        denom = jnp.where(l > 0, l, 1.0)
+        for acc, p in zip(accs, own):
+            out = acc / lax.broadcast_in_dim(denom, acc.shape, (0,))
+            out = jnp.where(lax.broadcast_in_dim(nonempty, acc.shape, (0,)), out, 0.0)
+            out = jnp.where(lax.broadcast_in_dim(nan_row, acc.shape, (0,)), jnp.nan, out)
+            out_ref.at[t, heads, pl.ds(p * PART, PART)][...] = out.astype(jnp.bfloat16)
+        if w == 0:
+            lse = jnp.where(nonempty, jnp.log(denom) + m, -jnp.inf)
+            lse_ref.at[t, heads][...] = jnp.where(nan_row, jnp.nan, lse)
+
+    for w in (0, 1):
+        pl.when(wg == w)(functools.partial(compute, w))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "interpret"))
+def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, config: MosaicAttentionTiles =
+                                MosaicAttentionTiles(), out_dtype=jnp.bfloat16, interpret=False):
+    """The contract of `reference.attention_reference` for fp8_ds_mla records, out in `out_dtype`.
+
+    interpret: False, or a Mosaic GPU interpret-params object (GPU interpret mode, for tests)."""
+    plgpu = compat.plgpu
+    t, h, _ = q.shape
+    n = records.shape[0]
+    if t == 0 or h == 0 or n == 0:
+        out = jnp.zeros((t, h, NOPE_DIM), out_dtype)
+        return out, jnp.full((t, h), -jnp.inf, jnp.float32)
+    block_k = config.block_k
+    hp = -(-h // HEADS_PER_CTA) * HEADS_PER_CTA
+    k = max(indices.shape[1], 1)
+    kp = -(-k // block_k) * block_k
+    if kp > MAX_TOP_K:
+        raise ValueError(f"indices: the pallas_mosaic_gpu kernel holds a token's index row in shared memory, "
+                         f"at most {MAX_TOP_K} entries; got int32[{t}, {indices.shape[1]}]")
+    q16 = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, hp - h), (0, 0)))
+    idx = jnp.pad(indices, ((0, 0), (0, kp - indices.shape[1])), constant_values=-1)
+    scale = jnp.asarray(sm_scale, jnp.float32).reshape(1)
+    rec_f32 = lax.bitcast_convert_type(records.reshape(n, RECORD_BYTES // 4, 4), jnp.float32)
+    rec_bf16 = lax.bitcast_convert_type(records.reshape(n, RECORD_BYTES // 2, 2), jnp.bfloat16)
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    kernel = functools.partial(_kernel, num_records=n, top_k=kp, block_k=block_k, interpret=bool(interpret))
+    extra = {"interpret": interpret} if interpret else {}
+    out, lse = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((t, hp, NOPE_DIM), jnp.bfloat16), jax.ShapeDtypeStruct((t, hp), jnp.float32)),
+        grid=(t, hp // HEADS_PER_CTA), grid_names=("t", "hb"), num_threads=3, thread_name="wg",
+        scratch_types=[
+            plgpu.SMEM((HEADS_PER_CTA, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),
+            plgpu.SMEM((kp,), jnp.int32),
+            plgpu.SMEM((block_k, NOPE_DIM), jnp.uint8),
+            plgpu.SMEM((block_k, 32), jnp.float32),
+            plgpu.SMEM((block_k, ROPE_DIM), jnp.bfloat16),
+            plgpu.SMEM((block_k, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),
+            plgpu.SMEM((NUM_PARTS, block_k), jnp.float32),
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),
+            plgpu.Barrier(num_arrivals=3 * block_k),
+            plgpu.Barrier(num_arrivals=2, num_barriers=3),
+        ],
+        # Lane semantics (jax 0.11's default is Warpgroup, whose layout inference cannot place
+        # the 1-D index and scale vectors): the layouts are the kernel's own
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        kernel_name="ckv_sparse_mla_attention_mgpu_fp8", **extra,
+    )(idx, counts, scale, q16, records, rec_f32, rec_bf16)
+    return out[:, :h].astype(out_dtype), lse[:, :h]
