@@ -4,6 +4,7 @@ interpret mode and Triton's deprecation warning."""
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 
 import jax
@@ -38,6 +39,14 @@ def mosaic_gpu_interpret_params():
     except ImportError:
         return None
     return InterpretGPUParams()
+
+
+def mosaic_gpu_load(ref, *, layout, optimized: bool = True):
+    """`plgpu.load` of the whole of `ref` in `layout`: jax 0.10 takes the index as an argument,
+    0.11 deprecates passing one (the ref is indexed with `.at` instead)."""
+    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout, optimized=optimized)
+    return plgpu.load(ref, layout=layout, optimized=optimized)
 
 
 def single_barrier(ref):

@@ -267,6 +267,47 @@ def test_full_ckv_attention_runs_the_kernel(kernel_mode):
     assert_close(name, got, oracle_attention(name, q, records, indices, counts, sm_scale), "full_ckv_attention")
 
 
+def test_the_mosaic_kernel_on_both_dcp_paths(kernel_mode):
+    """Full-CKV (each rank its heads over the gathered workspace) and stock DCP (each rank all
+    heads over its own shard, float32 partials merged by LSE) with the Mosaic GPU kernel, against
+    one device's XLA attention over the same records in global order: two CPU ranks interpreted,
+    every GPU compiled."""
+    import dcp_scenario
+    from ckv_jax import full_ckv, placement
+    from helpers import mesh_of
+    # Interpreted, one rank and seven tokens: the Mosaic GPU interpreter runs each program's
+    # warpgroups as threads; with two CPU devices interpreting at once it hung (jax 0.10.2), and
+    # it takes seconds a token.
+    d = 1 if kernel_mode == "interpret" else len(jax.devices())
+    sc = dcp_scenario.build(d, 1, MOSAIC, [45, 70], [4, 3], seed=3)
+    plan, mesh = sc.plan, mesh_of(d)
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((plan.num_tokens, 2 * d, 576)), jnp.bfloat16)
+    pos = plan.positions()
+    topk = np.full((plan.num_tokens, 24), -1, np.int32)
+    for t, p in enumerate(pos):
+        n = min(24, p + 1)
+        topk[t, :n] = rng.choice(p + 1, size=n, replace=False)
+    caches = placement.place_caches(sc.caches, mesh)
+    kernel = dict(implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret")
+    ws = full_ckv.all_gather_ckv(caches, jnp.asarray(sc.block_table), plan, mesh=mesh, format=MOSAIC)
+    idx, cnt = full_ckv.remap_topk(jnp.asarray(topk), plan)
+    full = sparse_mla.full_ckv_attention(q, ws, idx, cnt, 576 ** -0.5, format=MOSAIC, mesh=mesh, **kernel)
+    stock = sparse_mla.stock_dcp_attention(q, caches, sc.block_table, jnp.asarray(topk), plan, 576 ** -0.5,
+                                           format=MOSAIC, mesh=mesh, **kernel)
+    starts = np.concatenate([[0], np.cumsum(plan.seq_lens)])[plan.req_id_per_token]
+    rows = np.where(topk >= 0, starts[:, None] + topk, -1).astype(np.int32)
+    one = ckv_jax.sparse_mla_attention(q, jnp.asarray(dcp_scenario.global_records(sc)), jnp.asarray(rows),
+                                       jnp.asarray((topk >= 0).sum(1).astype(np.int32)), 576 ** -0.5,
+                                       format=MOSAIC, implementation="xla")
+    scale = np.abs(np.asarray(one[0], np.float32)).max()
+    for got, what in ((full, "full-CKV"), (stock, "stock DCP")):
+        np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(one[0], np.float32),
+                                   atol=1e-2 * scale, err_msg=f"{what} out")
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(one[1]), rtol=1e-3, atol=1e-3,
+                                   err_msg=f"{what} lse")
+
+
 @pytest.mark.parametrize("d", [1, 2, 4])
 def test_the_kernel_on_the_full_ckv_path_equals_it_on_global_order_records(d, kernel_mode):
     """Full-CKV (each rank its heads over the gathered workspace) and one device over the same

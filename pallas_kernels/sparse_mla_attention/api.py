@@ -22,7 +22,14 @@ from pallas_kernels.sparse_mla_attention.pallas_triton import AttentionTiles
 from pallas_kernels.sparse_mla_attention.reference import attention_blocked
 
 DEFAULT_ORDER = ("xla", "pallas_triton", "pallas_mosaic_gpu")
-MOSAIC_FORMAT = "fp8_tiles"          # the one record layout the Mosaic GPU kernel reads
+MOSAIC_FORMAT = "fp8_tiles"          # the one record layout the Mosaic GPU kernel reads (fp8_ds_mla's bytes)
+
+
+def mosaic_reads(layout: RecordLayout) -> bool:
+    """Whether `layout` is the fp8_ds_mla record the Mosaic GPU kernel is built for, byte for byte."""
+    segments = [(seg.name, seg.offset, seg.width) for seg in layout.segments]
+    return layout.kind == MOSAIC_FORMAT and layout.record_bytes == pallas_mosaic_gpu.RECORD_BYTES and segments == [
+        ("nope_e4m3", 0, 512), ("tile_scales_f32", 512, 16), ("rope_bf16", 528, 128)]
 
 
 def _run_triton(q, records, indices, counts, sm_scale, *, layout, out_dtype, interpret=False, config=None):
@@ -34,16 +41,16 @@ def _run_triton(q, records, indices, counts, sm_scale, *, layout, out_dtype, int
 
 
 def _run_mosaic(q, records, indices, counts, sm_scale, *, layout, out_dtype, interpret=False, config=None):
-    if layout.kind != MOSAIC_FORMAT:
+    if not mosaic_reads(layout):
         raise ValueError(f"implementation: pallas_mosaic_gpu reads fp8_ds_mla records only, got records of "
-                         f"layout {layout.kind}; use pallas_triton or xla")
-    if config is not None and not isinstance(config, pallas_mosaic_gpu.MosaicAttentionTiles):
+                         f"layout {layout.kind} ({layout.record_bytes} bytes); use pallas_triton or xla")
+    if config is not None and not isinstance(config, MosaicAttentionTiles):
         raise TypeError(f"config: expected MosaicAttentionTiles for pallas_mosaic_gpu, got {type(config).__name__}")
     params = compat.mosaic_gpu_interpret_params() if interpret else False
     if interpret and params is None:
         raise ValueError("interpret: this jax has no Mosaic GPU interpret mode")
     return pallas_mosaic_gpu.sparse_mla_attention_mosaic(
-        q, records, indices, counts, sm_scale, config=config or pallas_mosaic_gpu.MosaicAttentionTiles(),
+        q, records, indices, counts, sm_scale, config=config or MosaicAttentionTiles(),
         out_dtype=out_dtype, interpret=params)
 
 
@@ -71,7 +78,7 @@ def sparse_mla_attention(q, records, indices, counts, sm_scale, *, layout: Recor
                          device: jax.Device | None = None):
     """Unchecked entry (`ckv_jax.sparse_mla_attention` checks): (out [T, H, nope_dim] out_dtype,
     lse f32[T, H]).  device: where it runs (default: the records'; pass it inside jit)."""
-    skip = () if layout.kind == MOSAIC_FORMAT else ("pallas_mosaic_gpu",)
+    skip = () if mosaic_reads(layout) else ("pallas_mosaic_gpu",)
     run = SPARSE_MLA_ATTENTION.select(implementation, device or selection.device_of(records), records.size,
                                       flops(q.shape[0], q.shape[1], indices.shape[1], layout),
                                       interpret=interpret, config=config, skip=skip)

@@ -69,7 +69,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
             interpret):
     # idx_ref: i32[T, top_k]; count_ref: i32[T]; scale_ref: f32[1]; q_ref: bf16[T, H_pad, 576]
     # rec_u8 / rec_f32 / rec_bf16: the records u8[N, 656], viewed as f32[N, 164] and bf16[N, 328]
-    # out_ref: bf16[T, H_pad, 512]; lse_ref: f32[T, H_pad]
+    # out_ref: [T, H_pad, 512] (bf16 or f32); lse_ref: f32[T, H_pad]
     # q_smem: bf16[64, 576] (swizzled); idx_smem: i32[top_k]
     # nope_raw: u8[block_k, 512]; scale_raw: f32[block_k, 32] (scales in columns 0-3);
     # rope_raw: bf16[block_k, 64]; k_smem: bf16[block_k, 576] (swizzled);
@@ -91,7 +91,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
         layouts: a plain load there)."""
         if interpret:
             return ref[...]
-        return plgpu.load(ref, (), layout=layout, optimized=False)
+        return compat.mosaic_gpu_load(ref, layout=layout, optimized=False)
 
     def in_layout(x, layout):
         return x if interpret else plgpu.layout_cast(x, layout)
@@ -119,7 +119,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
                                    preferred_element_type=jnp.float32)
 
         def body(acc_ref):
-            plgpu.wgmma(acc_ref, a_ref, plgpu.transpose_ref(b_ref, (1, 0)))
+            plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
             return acc_ref[...]
         return pl.run_scoped(body, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
 
@@ -241,7 +241,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
             out = acc / lax.broadcast_in_dim(denom, acc.shape, (0,))
             out = jnp.where(lax.broadcast_in_dim(nonempty, acc.shape, (0,)), out, 0.0)
             out = jnp.where(lax.broadcast_in_dim(nan_row, acc.shape, (0,)), jnp.nan, out)
-            out_ref.at[t, heads, pl.ds(p * PART, PART)][...] = out.astype(jnp.bfloat16)
+            out_ref.at[t, heads, pl.ds(p * PART, PART)][...] = out.astype(out_ref.dtype)
         if w == 0:
             lse = jnp.where(nonempty, jnp.log(denom) + m, -jnp.inf)
             lse_ref.at[t, heads][...] = jnp.where(nan_row, jnp.nan, lse)
@@ -253,12 +253,15 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
 @functools.partial(jax.jit, static_argnames=("config", "out_dtype", "interpret"))
 def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, config: MosaicAttentionTiles =
                                 MosaicAttentionTiles(), out_dtype=jnp.bfloat16, interpret=False):
-    """The contract of `reference.attention_reference` for fp8_ds_mla records, out in `out_dtype`.
+    """The contract of `reference.attention_reference` for fp8_ds_mla records, out in `out_dtype`
+    (bf16, or float32 for partials that a merge combines).
 
     interpret: False, or a Mosaic GPU interpret-params object (GPU interpret mode, for tests)."""
     plgpu = compat.plgpu
     t, h, _ = q.shape
     n = records.shape[0]
+    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype: expected bfloat16 or float32, got {jnp.dtype(out_dtype)}")
     if t == 0 or h == 0 or n == 0:
         out = jnp.zeros((t, h, NOPE_DIM), out_dtype)
         return out, jnp.full((t, h), -jnp.inf, jnp.float32)
@@ -279,7 +282,7 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, config
     extra = {"interpret": interpret} if interpret else {}
     out, lse = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((t, hp, NOPE_DIM), jnp.bfloat16), jax.ShapeDtypeStruct((t, hp), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((t, hp, NOPE_DIM), out_dtype), jax.ShapeDtypeStruct((t, hp), jnp.float32)),
         grid=(t, hp // HEADS_PER_CTA), grid_names=("t", "hb"), num_threads=3, thread_name="wg",
         scratch_types=[
             plgpu.SMEM((HEADS_PER_CTA, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),
@@ -298,4 +301,4 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, config
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         kernel_name="ckv_sparse_mla_attention_mgpu_fp8", **extra,
     )(idx, counts, scale, q16, records, rec_f32, rec_bf16)
-    return out[:, :h].astype(out_dtype), lse[:, :h]
+    return out[:, :h], lse[:, :h]
