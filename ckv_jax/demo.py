@@ -18,6 +18,9 @@ import time
 import numpy as np
 
 
+KERNELS = ("pallas_triton", "pallas_mosaic_gpu")
+
+
 def _configure_devices(dcp: int):
     import jax
     try:                       # before any backend starts: a virtual CPU mesh when there is no GPU
@@ -68,7 +71,7 @@ def run(args) -> int:
     import jax
     import jax.numpy as jnp
 
-    from ckv_jax import formats, full_ckv, placement
+    from ckv_jax import formats, full_ckv, placement, sparse_mla
     from ckv_jax.dcp_layout import DcpLayout
     from ckv_jax.mla_model import make_model, mla_layer
     from ckv_jax.pipelined_prefill import prefill_layers
@@ -88,8 +91,12 @@ def run(args) -> int:
     layout = DcpLayout(dcp, args.interleave, args.block_size)
     rng = np.random.default_rng(args.seed)
     model = make_model(args.layers, args.heads, args.d_model, rng)
-    interpret = args.attention == "pallas_triton" and jax.default_backend() != "gpu"
-    layer = mla_layer(model, fmt, dcp, placement.DCP_AXIS, implementation=args.attention, interpret=interpret)
+    interpret = args.attention in KERNELS and jax.default_backend() != "gpu"
+    # resolved once, so that both sides of the check run the same implementation
+    chosen = sparse_mla.attention_implementation(fmt, devices[0], args.requests * args.context, args.chunk,
+                                                 args.heads // dcp, args.topk, interpret=interpret,
+                                                 implementation=None if args.attention == "auto" else args.attention)
+    layer = mla_layer(model, fmt, dcp, placement.DCP_AXIS, implementation=chosen, interpret=interpret)
 
     reqs = args.requests
     prefix = args.context // 4
@@ -114,7 +121,8 @@ def run(args) -> int:
             records[l][r] = enc[plan0.query_start_loc[r]:plan0.query_start_loc[r + 1]]
 
     print(f"ckv-jax demo: {args.layers} layers, {reqs} request(s) x {args.context} tokens ({prefix} cached, "
-          f"chunks of {args.chunk}), {fmt.name}, DCP {dcp} on {devices[0].platform}, depth {args.depth}", flush=True)
+          f"chunks of {args.chunk}), {fmt.name}, DCP {dcp} on {devices[0].platform}, depth {args.depth}, "
+          f"attention {chosen}{' (interpret mode)' if interpret else ''}", flush=True)
     rows, ok_all, done = [], True, prefix
     num_steps = -(-(args.context - prefix) // args.chunk)
     while done < args.context:
@@ -143,7 +151,7 @@ def run(args) -> int:
             x_out = np.asarray(jax.block_until_ready(x_out))
             outs[depth] = (x_out, new_caches, time.perf_counter() - start)
         caches = outs[args.depth][1]
-        ref = np.asarray(reference_step(model, fmt, x, records, plan, topks, args.attention, interpret))
+        ref = np.asarray(reference_step(model, fmt, x, records, plan, topks, chosen, interpret))
         same = np.array_equal(outs[0][0], outs[args.depth][0])
         scale = np.abs(ref - np.asarray(x)).max()
         err = np.abs(outs[args.depth][0] - ref).max()
@@ -216,9 +224,10 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=8, help="query heads (divisible by --dcp)")
     ap.add_argument("--d-model", type=int, default=64, help="model width")
     ap.add_argument("--topk", type=int, default=64, help="indexer top-k per query token")
-    ap.add_argument("--attention", choices=("xla", "pallas_triton"), default="xla",
-                    help="sparse-MLA attention implementation of both paths (pallas_triton runs in interpret mode "
-                         "without a GPU)")
+    ap.add_argument("--attention", choices=("auto", "xla") + KERNELS, default="auto",
+                    help="sparse-MLA attention of both paths: auto (ckv-jax's choice: a kernel on a GPU, XLA "
+                         "elsewhere) or an implementation (pallas_triton runs in interpret mode without a GPU; "
+                         "pallas_mosaic_gpu reads fp8_ds_mla and needs an SM90+ GPU)")
     ap.add_argument("--block-size", type=int, default=64, help="tokens per paged-cache block")
     ap.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and top-k")
     args = ap.parse_args(argv)
@@ -229,6 +238,8 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.dcp is not None and args.dcp <= 0:
         ap.error("--dcp must be positive")
+    if args.attention == "pallas_mosaic_gpu" and args.format != "fp8_ds_mla":
+        ap.error(f"--attention pallas_mosaic_gpu reads fp8_ds_mla records, got --format {args.format}")
     if args.depth >= args.layers:
         ap.error(f"--depth {args.depth}: at most --layers - 1 = {args.layers - 1} (a layer is gathered ahead of "
                  "the layers before it)")
@@ -237,4 +248,8 @@ def main(argv=None) -> int:
         ap.error(f"--context {args.context} (x {args.requests} requests, {args.layers} layers, top-k {args.topk}) "
                  f"needs about {need / 2**30:.1f} GiB; this machine has {have / 2**30:.1f} GiB available")
     _configure_devices(args.dcp or 4)
+    if args.attention == "pallas_mosaic_gpu":
+        import jax
+        if jax.default_backend() != "gpu":   # its interpreter is for one-device unit tests (it hung on several)
+            ap.error("--attention pallas_mosaic_gpu needs a GPU")
     return run(args)

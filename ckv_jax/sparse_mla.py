@@ -72,12 +72,24 @@ def check_sm_scale(sm_scale):
 IMPLEMENTATIONS = SPARSE_MLA_ATTENTION.names
 
 
+def attention_implementation(format: str | formats.RecordFormat, device: jax.Device, num_records: int,
+                             num_tokens: int, num_heads: int, top_k: int, *,
+                             implementation: str | Sequence[str] | None = None, interpret: bool = False) -> str:
+    """The name of the implementation `sparse_mla_attention` (and `attend`) runs on `device` for
+    records of `format` and this shape (num_heads: those of one call, a rank's own on the
+    full-CKV path): for reports, e.g. which one `implementation=None` chose."""
+    fmt = formats.get(format)
+    return attention_op.select(dcp_step.static_implementation(implementation), device, fmt.layout,
+                               num_records * fmt.record_bytes, num_tokens, num_heads, top_k, interpret=interpret).name
+
+
 def attend(q, records, indices, counts, sm_scale, layout, *, implementation=None, interpret: bool = False,
            device=None, out_dtype=jnp.float32):
     """The attention body (no checks; usable inside jit and shard_map): q [T, H, 576], records
     u8[N, R] of `layout`, indices i32[T, K], counts i32[T] -> (out [T, H, 512] out_dtype, lse
     f32[T, H]), by the implementation `implementation` selects (None: the measured choice for
-    the device, else XLA; `device` is where it runs, default the default one)."""
+    the device, else the first of a GPU kernel and XLA that runs there; `device` is where it
+    runs, default the default one)."""
     return attention_op.sparse_mla_attention(q, records, indices, counts, sm_scale, layout=layout,
                                              implementation=implementation, interpret=interpret,
                                              out_dtype=out_dtype, device=device)
@@ -95,7 +107,8 @@ def sparse_mla_attention(q, records, indices, counts, sm_scale, *, format: str |
       q: bf16|f16|f32[T, H, 576]; records: u8[N, R] of `format` (a gathered workspace, or a paged
         cache viewed flat with slots as indices); indices: i32[T, K]; counts: i32[T];
       sm_scale: positive and finite.
-      implementation: None (the measured choice for the device, else XLA), one of
+      implementation: None (the measured choice for the device, else a kernel where one runs
+        compiled, XLA elsewhere), one of
         IMPLEMENTATIONS ("pallas_triton": the Triton kernel, every format; "pallas_mosaic_gpu":
         the warp-specialized wgmma kernel, fp8_ds_mla records, SM90+), or a sequence tried in order.
       interpret: run a Pallas kernel in interpret mode (CPU testing).

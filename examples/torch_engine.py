@@ -1,14 +1,16 @@
 """A torch engine using ckv-jax for the full-CKV gather, checked against the pure-JAX path.
 
-    pip install -e '.[torch]' && python examples/torch_engine.py [--depth 2] [--layers 4]
+    pip install -e '.[torch]' && python examples/torch_engine.py [--depth 2] [--layers 4] [--attention auto]
 
 A small MLA-style layer stack in torch (latent 512 + RoPE 64 projections, fp8_ds_mla paged
 caches, sparse attention over a global top-k) prefills one request chunk by chunk, the way an
 engine does: torch writes each layer's chunk into its own paged cache, hands the cache to
-`TorchCkvAdapter.gather` (JAX gathers and prefetches on its own stream) and runs its attention
-over the returned workspace.  The same weights then run through ckv-jax's pure-JAX
-`prefill_layers`; the outputs must agree.  On a GPU it runs on CUDA (one GPU: D = 1, the full
-path through `min_world_size=1`); otherwise on the CPU.
+`TorchCkvAdapter.gather` (JAX gathers and prefetches on its own stream) and attends over the
+returned workspace with `interop.sparse_mla_attention` (ckv-jax's kernel on a GPU, its XLA
+reference elsewhere; `--attention torch` attends in torch instead).  The same weights then run
+through ckv-jax's pure-JAX `prefill_layers` with the same attention implementation; the outputs
+must agree.  On a GPU it runs on CUDA (one GPU: D = 1, the full path through
+`min_world_size=1`); otherwise on the CPU.
 """
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ import argparse
 import sys
 
 import numpy as np
+
+
+ATTENTION = ("auto", "torch", "xla", "pallas_triton", "pallas_mosaic_gpu")
 
 
 def torch_attention(q, workspace, indices, counts, sm_scale, fmt_name):
@@ -48,6 +53,10 @@ def run(args) -> int:
     from interop import torch_records
 
     device = "cuda" if torch.cuda.is_available() and jax.default_backend() == "gpu" else "cpu"
+    # the library's attention: None selects (the kernel on a GPU, XLA elsewhere); a named kernel
+    # runs in interpret mode off a GPU
+    implementation = None if args.attention in ("auto", "torch") else args.attention
+    interpret = implementation is not None and implementation != "xla" and device == "cpu"
     jax.config.update("jax_default_matmul_precision", "highest")    # float32 like torch (no TF32)
     fmt = formats.get("fp8_ds_mla")
     gen = torch.Generator().manual_seed(args.seed)
@@ -68,12 +77,12 @@ def run(args) -> int:
                                       config=GatherConfig(enabled=True, depth=args.depth, workspace_mib=0,
                                                           min_tokens=1, max_tokens=args.context))
     print(f"torch engine on {device}: {args.layers} layers, context {args.context} in chunks of {args.chunk}, "
-          f"depth {args.depth}, prefetch pool {adapter.pool_bytes / 2**20:.1f} MiB")
+          f"depth {args.depth}, prefetch pool {adapter.pool_bytes / 2**20:.1f} MiB, attention {args.attention}")
 
     # the pure-JAX path over copies of the same caches, for the check
     mesh = adapter.mesh
     model = Model([{k: jnp.asarray(v.numpy()) for k, v in w.items()} for w in weights], heads, d_model, sm_scale)
-    jax_layer = mla_layer(model, fmt, 1, placement.DCP_AXIS)
+    jax_layer = mla_layer(model, fmt, 1, placement.DCP_AXIS, implementation=implementation, interpret=interpret)
     jax_caches = [placement.place_caches([c.cpu().numpy()], mesh) for c in caches]
 
     ok, done = True, 0
@@ -96,7 +105,7 @@ def run(args) -> int:
         x = x0.to(device)
         for layer, w in enumerate(weights):
             w = {k: v.to(device) for k, v in w.items()}
-            q = (x @ w["w_q"]).reshape(q_len, heads, 576).to(torch.bfloat16).float()
+            q = (x @ w["w_q"]).reshape(q_len, heads, 576).to(torch.bfloat16)
             kv = x @ w["w_kv"]
             kv_c, k_pe = adapter.chunk_buffers()          # the latents go where the patch reads them: no copy
             kv_c.copy_(kv[:, :512])
@@ -104,7 +113,11 @@ def run(args) -> int:
             torch_records.write(caches[layer], torch_records.encode(fmt.name, kv_c, k_pe), slots)
             adapter.set_current_chunk(kv_c, k_pe)
             ws = adapter.gather(layer, caches[layer])
-            out = torch_attention(q, ws[:adapter.rows], idx, cnt, sm_scale, fmt.name).to(torch.bfloat16)
+            if args.attention == "torch":
+                out = torch_attention(q.float(), ws[:adapter.rows], idx, cnt, sm_scale, fmt.name).to(torch.bfloat16)
+            else:
+                out, _ = interop.sparse_mla_attention(q, ws[:adapter.rows], idx, cnt, sm_scale, format=fmt,
+                                                      implementation=implementation, interpret=interpret)
             del ws
             out = interop.compact_attention_output(out, q_len, heads, 512)
             x = x + out.float() @ w["w_o"]
@@ -145,6 +158,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--topk", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attention", choices=ATTENTION, default="auto",
+                    help="auto: ckv-jax's attention as it selects (the kernel on a GPU, XLA elsewhere); torch: "
+                         "attend in torch; or a ckv-jax implementation (a kernel runs interpreted off a GPU)")
     args = ap.parse_args(argv)
     for name in ("layers", "heads", "d_model", "context", "chunk", "topk"):
         if getattr(args, name) <= 0:

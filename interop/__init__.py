@@ -9,6 +9,7 @@ except ModuleNotFoundError as e:
         raise
     raise ModuleNotFoundError("interop needs torch: pip install 'ckv-jax[torch]'", name="torch") from e
 from interop.adapter import TorchCkvAdapter
+from interop.attention import sparse_mla_attention
 from interop.attention_layout import attention_layout, compact_attention_output
 from interop.bridge import (ALIGNMENT, ALLOWED_DTYPES, CudaGraphCaptureError, check_not_capturing, int32_indices,
                             join_stream, to_jax, to_torch)
@@ -16,4 +17,4 @@ from interop.memory import configure_jax_memory, planned_pool_bytes
 
 __all__ = ["ALIGNMENT", "ALLOWED_DTYPES", "CudaGraphCaptureError", "TorchCkvAdapter", "attention_layout",
            "check_not_capturing", "compact_attention_output", "configure_jax_memory", "int32_indices",
-           "join_stream", "planned_pool_bytes", "to_jax", "to_torch"]
+           "join_stream", "planned_pool_bytes", "sparse_mla_attention", "to_jax", "to_torch"]

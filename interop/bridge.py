@@ -28,6 +28,7 @@ import torch
 ALLOWED_DTYPES = (torch.uint8, torch.int8, torch.int32, torch.bfloat16, torch.float16, torch.float32,
                   torch.float8_e4m3fn)
 ALIGNMENT = 32
+CPU_ALIGNMENT = 64       # JAX's CPU backend imports a less aligned buffer as a copy (XLA CPU's minimum)
 
 
 class CudaGraphCaptureError(RuntimeError):
@@ -85,6 +86,10 @@ def check_tensor(name: str, tensor, device=None):
     if tensor.numel() and tensor.data_ptr() % ALIGNMENT:
         raise ValueError(f"{name}: data pointer 0x{tensor.data_ptr():x} is not {ALIGNMENT}-byte aligned "
                          f"(offset {tensor.data_ptr() % ALIGNMENT}); the kernels assume {ALIGNMENT}-byte alignment")
+    if tensor.numel() and tensor.device.type == "cpu" and tensor.data_ptr() % CPU_ALIGNMENT:
+        raise ValueError(f"{name}: data pointer 0x{tensor.data_ptr():x} is not {CPU_ALIGNMENT}-byte aligned "
+                         f"(offset {tensor.data_ptr() % CPU_ALIGNMENT}); JAX's CPU backend would import a copy "
+                         "(torch's own CPU allocations are aligned; numpy's need not be)")
     if device is not None and jax_device_of(tensor) != device:
         raise ValueError(f"{name}: on {tensor.device}, expected the device of JAX's {device}")
 

@@ -15,14 +15,14 @@ def _run(*args, timeout=300):
                           timeout=timeout, env=env)
 
 
-@pytest.mark.parametrize("fmt, attention", [("fp8_ds_mla", "xla"), ("nvfp4_ds_mla", "xla"),
-                                             ("fp8_ds_mla", "pallas_triton")])
-def test_demo_runs_a_dcp_prefill_and_checks_it(fmt, attention):
+@pytest.mark.parametrize("fmt, attention, runs", [("fp8_ds_mla", "auto", "xla"), ("nvfp4_ds_mla", "xla", "xla"),
+                                                   ("fp8_ds_mla", "pallas_triton", "pallas_triton (interpret mode)")])
+def test_demo_runs_a_dcp_prefill_and_checks_it(fmt, attention, runs):
     proc = _run("demo", "--format", fmt, "--dcp", "2", "--depth", "1", "--layers", "2", "--context", "96",
                 "--chunk", "32", "--requests", "1", "--heads", "2", "--topk", "16", "--block-size", "16",
                 "--attention", attention)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "DCP 2 on cpu, depth 1" in proc.stdout
+    assert f"DCP 2 on cpu, depth 1, attention {runs}" in proc.stdout
     assert "2 layers x 3 steps: all steps match" in proc.stdout
     assert proc.stdout.count("depth 1 == depth 0: True") == 3
 
@@ -42,6 +42,8 @@ def test_cli_rejects_unknown_command_and_bad_flags():
     assert proc.returncode == 2 and "--chunk must be positive" in proc.stderr
     proc = _run("demo", "--dcp", "3", "--heads", "8")
     assert proc.returncode == 2 and "--heads 8 must be divisible by --dcp 3" in proc.stderr
+    proc = _run("demo", "--attention", "pallas_mosaic_gpu", "--format", "bf16")
+    assert proc.returncode == 2 and "pallas_mosaic_gpu reads fp8_ds_mla records, got --format bf16" in proc.stderr
 
 
 def test_bench_writes_json_and_plot_writes_pngs(tmp_path):
@@ -59,7 +61,14 @@ def test_bench_writes_json_and_plot_writes_pngs(tmp_path):
     assert [(r["heads"], r["implementation"]) for r in data["results"] if r["op"] == "attention"] == [
         (16, "xla"), (32, "xla")]
     assert all(r["exact"] for r in data["results"])
-    assert [r["depth"] for r in data["results"] if r["op"] == "prefill_step"] == [0, 1]
+    steps = [r for r in data["results"] if r["op"] == "prefill_step"]
+    assert [r["depth"] for r in steps] == [0, 1]
+    for r in steps:                  # the step's shape as asked, its attention as selected, both timings
+        assert (r["heads"], r["top_k"], r["attention"], r["chunk"]) == (8, 32, "xla", 32), r
+        assert r["us"] > 0 and 0 < r["gather_us"] and r["gather_share_pct"] is not None
+    assert steps[0]["gather_share_pct"] == pytest.approx(100 * steps[0]["gather_us"] / steps[0]["us"])
+    assert steps[1]["gather_share_pct"] == pytest.approx(
+        100 * (steps[1]["us"] - steps[0]["us"] + steps[1]["gather_us"]) / steps[1]["us"])
     proc = _run("plot", str(out), "--out-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in ("bandwidth.png", "prefill_depth.png", "attention.png"):
@@ -75,7 +84,8 @@ def test_version_and_helps_document_every_option():
                                        "--chunk", "--requests", "--heads", "--d-model", "--topk", "--block-size",
                                        "--attention", "--seed"]),
                              ("bench", ["--ops", "--tokens", "--formats", "--patterns", "--chunk", "--prefill-chunk",
-                                        "--depths", "--layers", "--context", "--heads", "--attention-tokens",
+                                        "--prefill-heads", "--prefill-attention", "--depths", "--layers",
+                                        "--context", "--heads", "--attention-tokens",
                                         "--attention-rows", "--top-k", "--repeats", "--interpret", "--out"]),
                              ("plot", ["--out-dir"])]:
         proc = _run(command, "--help")
@@ -101,6 +111,7 @@ def test_version_and_helps_document_every_option():
     (["bench", "--tokens", "-5"], "argument --tokens: expected positive integers, got '-5'"),
     (["bench", "--tokens", "0"], "argument --tokens: expected positive integers, got '0'"),
     (["bench", "--ops", "gather", "--tokens", "32"], "--tokens: the gathers move whole 64-record pages"),
+    (["bench", "--ops", "prefill", "--prefill-attention", "cuda"], "argument --prefill-attention: invalid choice"),
     (["demo", "--depth", "10"], "--depth 10: at most --layers - 1 = 3"),
     (["demo", "--context", "100000000"], "needs about"),
     (["demo", "--format", "fp9"], "argument --format: format: unknown record format 'fp9'"),

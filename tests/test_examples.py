@@ -28,7 +28,10 @@ def test_flax_example_prefills_through_dcp_and_matches_one_device():
     assert "D=2, depth 1" in lines[0]
 
 
-def test_torch_engine_example_matches_the_pure_jax_path():
-    proc = _example("torch_engine.py", "--depth", "1", "--layers", "2", "--context", "192", "--chunk", "96")
+@pytest.mark.parametrize("attention", ["auto", "torch"])
+def test_torch_engine_example_matches_the_pure_jax_path(attention):
+    proc = _example("torch_engine.py", "--depth", "1", "--layers", "2", "--context", "192", "--chunk", "96",
+                    "--attention", attention)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"attention {attention}" in proc.stdout
     assert proc.stdout.count("-> match") == 2 and "all chunks match" in proc.stdout, proc.stdout

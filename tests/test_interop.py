@@ -50,6 +50,9 @@ def test_every_rejected_input_names_the_argument():
         interop.to_jax(torch.zeros(4, requires_grad=True), name="q")
     with pytest.raises(TypeError, match=r"block_table: expected a torch.Tensor, got ndarray"):
         interop.to_jax(np.zeros(4, np.int32), name="block_table")
+    with pytest.raises(ValueError, match=r"kv_cache: data pointer .* not 64-byte aligned .*CPU backend would import "
+                                         r"a copy"):
+        interop.to_jax(cache.view(-1)[32:4128], name="kv_cache")
     with pytest.raises(ValueError, match=r"kv_cache: on cpu, expected the device of JAX's"):
         interop.to_jax(cache, name="kv_cache", device=jax.devices()[1])
     with pytest.raises(ValueError, match=r"single-device"):
@@ -216,6 +219,48 @@ def test_attention_output_layouts_compact_to_token_major():
         interop.attention_layout(torch.randn(t, dv, h).permute(0, 2, 1), t, h, dv)
     with pytest.raises(ValueError, match=r"expected shape \[T, H, Dv\] = \[5, 4, 8\]"):
         interop.attention_layout(torch.randn(t, h * dv), t, h, dv)
+
+
+# -- attention over torch tensors ---------------------------------------------------------------
+def test_attention_over_torch_tensors_is_the_library_call_on_the_same_memory():
+    """interop.sparse_mla_attention equals ckv_jax.sparse_mla_attention on copies of the same
+    values, bit for bit (same implementation), with holes, rows past the table, a count of 0
+    and counts below K; its outputs are torch tensors of the documented dtypes."""
+    import ckv_jax
+    rng = np.random.default_rng(11)
+    t, h, k, n = 5, 4, 24, 90
+    kv = rng.standard_normal((n, 512)).astype(jnp.bfloat16)
+    pe = rng.standard_normal((n, 64)).astype(jnp.bfloat16)
+    records = np.asarray(FP8.encode(jnp.asarray(kv), jnp.asarray(pe)))
+    q = (rng.standard_normal((t, h, 576)) * 2).astype(np.float32)
+    indices = rng.integers(0, n, (t, k)).astype(np.int32)
+    indices[0, 3] = -1
+    indices[1, 5] = n + 7
+    counts = np.array([k, 17, 0, 9, k], np.int32)
+    out, lse = interop.sparse_mla_attention(torch.tensor(q).to(torch.bfloat16), torch.tensor(records),
+                                            torch.tensor(indices), torch.tensor(counts), 0.07, format="fp8_ds_mla")
+    assert (out.dtype, tuple(out.shape), lse.dtype, tuple(lse.shape)) == (torch.bfloat16, (t, h, 512), torch.float32,
+                                                                          (t, h))
+    want = ckv_jax.sparse_mla_attention(jnp.asarray(q, jnp.bfloat16), jnp.asarray(records), jnp.asarray(indices),
+                                        jnp.asarray(counts), 0.07, format="fp8_ds_mla")
+    np.testing.assert_array_equal(out.float().numpy(), np.asarray(want[0], np.float32))
+    np.testing.assert_array_equal(lse.numpy(), np.asarray(want[1]))
+    assert np.isneginf(lse[2].numpy()).all() and not out[2].any()            # count 0: an empty row
+    assert np.isfinite(lse[[0, 1, 3, 4]].numpy()).all()
+
+
+def test_attention_over_torch_tensors_names_a_bad_argument():
+    q = torch.zeros(2, 4, 576, dtype=torch.bfloat16)
+    records = torch.zeros(16, 656, dtype=torch.uint8)
+    idx, cnt = torch.zeros(2, 8, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"indices: int64 .*int32_indices"):
+        interop.sparse_mla_attention(q, records, idx.long(), cnt, 0.1, format="fp8_ds_mla")
+    with pytest.raises(TypeError, match=r"records: expected a torch.Tensor, got ndarray"):
+        interop.sparse_mla_attention(q, records.numpy(), idx, cnt, 0.1, format="fp8_ds_mla")
+    with pytest.raises(ValueError, match=r"records: .*656"):
+        interop.sparse_mla_attention(q, torch.zeros(16, 432, dtype=torch.uint8), idx, cnt, 0.1, format="fp8_ds_mla")
+    with pytest.raises(ValueError, match=r"sm_scale: expected a positive finite number"):
+        interop.sparse_mla_attention(q, records, idx, cnt, -1.0, format="fp8_ds_mla")
 
 
 # -- ordering protocol -------------------------------------------------------------------------

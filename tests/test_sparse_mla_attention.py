@@ -1,5 +1,6 @@
 """Sparse-MLA attention over native records: every implementation against a float64 numpy oracle
 (over the oracle's own record decode), its NaN and hole rules, its checks, its bounded memory."""
+import dataclasses
 import math
 
 import jax
@@ -246,11 +247,32 @@ def test_the_xla_implementation_bounds_its_temporaries():
     assert temp <= 4 * 2 ** 30, f"{temp / 2 ** 30:.1f} GiB of temporaries"
 
 
-def test_the_automatic_choice_is_xla_until_a_measured_table_says_otherwise():
-    device = jax.devices()[0]
-    op = attention_op.SPARSE_MLA_ATTENTION
-    assert op.select(None, device, 1 << 20, 1 << 30).name == "xla"
-    assert op.select("pallas_triton", device, 1 << 20, 1 << 30, interpret=True).name == "pallas_triton"
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    """What the selection reads of a device: platform, compute capability and kind (one without a
+    measured table, so the default order decides)."""
+    platform: str
+    compute_capability: str = ""
+    device_kind: str = "no measured table"
+
+
+@pytest.mark.parametrize("device, name, records_bytes, interpret, chosen", [
+    (FakeDevice("gpu", "9.0"), "fp8_ds_mla", 1 << 30, False, "pallas_triton"),
+    (FakeDevice("gpu", "9.0"), "nvfp4_ds_mla", 1 << 30, False, "pallas_triton"),
+    # Triton cannot address a u8 buffer of 2-4 GiB: the Mosaic GPU kernel where it reads the records
+    (FakeDevice("gpu", "9.0"), "fp8_ds_mla", 3 << 30, False, "pallas_mosaic_gpu"),
+    (FakeDevice("gpu", "9.0"), "bf16", 3 << 30, False, "xla"),
+    (FakeDevice("gpu", "8.0"), "fp8_ds_mla", 3 << 30, False, "xla"),
+    (FakeDevice("gpu", "9.0"), "fp8_ds_mla", 5 << 30, False, "pallas_triton"),
+    (FakeDevice("cpu"), "fp8_ds_mla", 1 << 30, False, "xla"),
+    (FakeDevice("cpu"), "fp8_ds_mla", 1 << 20, True, "pallas_triton"),
+])
+def test_the_automatic_choice_is_a_kernel_where_one_runs_compiled(device, name, records_bytes, interpret, chosen):
+    fmt = formats.get(name)
+    got = sparse_mla.attention_implementation(name, device, records_bytes // fmt.record_bytes, 64, 16, 2048,
+                                              interpret=interpret)
+    assert got == chosen
+    assert sparse_mla.attention_implementation(name, device, 1024, 64, 16, 2048, implementation="xla") == "xla"
     assert set(sparse_mla.IMPLEMENTATIONS) == {"pallas_mosaic_gpu", "pallas_triton", "xla"}
 
 

@@ -2,7 +2,7 @@
 # The GPU checks and figures of the project in stages, each inside the device's 600 s per command.
 # Run from the repository root:  [STAGES="..."] bash tools/device_run.sh   (output under $OUT)
 # Stages (default all, in this order): env tests examples trace interop writer gather patch prefill
-# sanitizer plot.  KERNEL_ARGS / PREFILL_ARGS / PYTEST_ARGS override the sweeps and the test
+# attention sanitizer plot.  KERNEL_ARGS / PREFILL_ARGS / ATTENTION_ARGS / PYTEST_ARGS override the sweeps and the test
 # selection (default: the GPU tests, `-m gpu`).  Extra stages, run only when named: tune (the
 # tuning sweep, TUNE_ARGS), ncu (Nsight Compute on our kernels and torch's, NCU_RUNS); NCU_SECTIONS
 # and NCU_FORMAT override the ncu sections and the record format.  TRACE_BEFORE=DIR adds the
@@ -12,7 +12,7 @@
 set -u -o pipefail
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-STAGES=${STAGES:-env tests examples trace interop writer gather patch prefill sanitizer plot}
+STAGES=${STAGES:-env tests examples trace interop writer gather patch prefill attention sanitizer plot}
 status=0
 step() { echo "=== $1 ($(date +%T))"; shift; timeout -k 10 "$@" || { echo "!!! exit $?"; status=1; }; }
 want() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -44,14 +44,18 @@ for op in writer gather patch; do
   want $op && step "bench $op" 150 python -m ckv_jax.cli bench --ops $op ${KERNEL_ARGS:-} --out "$OUT/$op.json" 2>&1 \
     | tee "$OUT/bench_$op.txt"
 done
-want prefill && step "bench prefill" 150 python -m ckv_jax.cli bench --ops prefill \
-  ${PREFILL_ARGS:---depths 0,1,2,3 --layers 8 --context 32768 --prefill-chunk 4096} \
-  --out "$OUT/prefill.json" 2>&1 | tee "$OUT/bench_prefill.txt"
+# the GPU defaults of --ops prefill: a GLM-5-shaped step (64 heads, top-k 2,048, an 8,192-token
+# chunk on a 1M-token context) with the attention the library selects
+want prefill && step "bench prefill" 300 python -m ckv_jax.cli bench --ops prefill \
+  ${PREFILL_ARGS:---depths 0,1,2,3 --layers 8} --out "$OUT/prefill.json" 2>&1 | tee "$OUT/bench_prefill.txt"
+want attention && step "bench attention" 300 python -m ckv_jax.cli bench --ops attention \
+  ${ATTENTION_ARGS:---formats fp8_ds_mla,nvfp4_ds_mla,bf16 --heads 16,64,128 --attention-tokens 4096 \
+  --attention-rows 262144 --top-k 2048} --out "$OUT/attention.json" 2>&1 | tee "$OUT/bench_attention.txt"
 # memcheck: the whole log goes to the file as it comes (a pipe through tail would hold it until the
 # end, and a target left behind by the timeout would hold the pipe open)
 want sanitizer && { step "compute-sanitizer memcheck (compiled kernels)" ${SANITIZER_TIMEOUT:-300} compute-sanitizer \
   --tool memcheck --leak-check no --error-exitcode 9 python -m pytest ${SANITIZER_TESTS:-tests} -v -p no:cacheprovider \
   -m gpu -k "compiled" -x > "$OUT/sanitizer_memcheck.txt" 2>&1; tail -5 "$OUT/sanitizer_memcheck.txt"; }
-want plot && step "plot" 60 python -m ckv_jax.cli plot $(ls "$OUT"/{writer,gather,patch,prefill}.json 2>/dev/null) \
+want plot && step "plot" 60 python -m ckv_jax.cli plot $(ls "$OUT"/{writer,gather,patch,prefill,attention}.json 2>/dev/null) \
   --out-dir "$OUT"
 exit $status

@@ -104,12 +104,18 @@ def main(argv=None) -> int:
     steps = [r for r in results if r["op"] == "prefill_step"]
     if steps:
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.bar([str(r["depth"]) for r in steps], [r["us"] / 1e3 for r in steps])
+        depths = [str(r["depth"]) for r in steps]
+        ax.bar(depths, [r["us"] / 1e3 for r in steps], label="step")
+        if all(r.get("gather_share_pct") is not None for r in steps):
+            ax.bar(depths, [max(0.0, r["us"] * r["gather_share_pct"] / 1e5) for r in steps], hatch="//", color="tab:orange",
+                   label="gathers exposed")
+            ax.legend(fontsize=7)
         r0 = steps[0]
         ax.set_xlabel("prefetch depth")
         ax.set_ylabel("step time (ms)")
         mesh = f"mesh of {r0['dcp']} {data.get('backend', '?')} device(s) ({data.get('device', '?')})"
-        ax.set_title(f"{r0['layers']} layers, context {r0['tokens']}, chunk {r0['chunk']}, D={r0['dcp']}\n"
+        shape = f", {r0['heads']} heads, top-k {r0['top_k']}, attention {r0['attention']}" if "heads" in r0 else ""
+        ax.set_title(f"{r0['layers']} layers, context {r0['tokens']}, chunk {r0['chunk']}, D={r0['dcp']}{shape}\n"
                      f"{mesh}, jax {data.get('jax', '?')}", fontsize=9)
         save(fig, "prefill_depth.png")
     attention = [r for r in results if r["op"] == "attention"]

@@ -1,8 +1,8 @@
 """`ckv-jax bench`: the kernel sweeps and the pipelined prefill, one JSON file.
 
   ckv-jax bench [--ops writer,gather,patch,prefill,attention] [--tokens 65536,262144] [--formats fp8_ds_mla]
-                [--depths 0,1,2,3] [--context 32768] [--prefill-chunk 1024] [--heads 16,32,64,128]
-                [--out results.json]
+                [--depths 0,1,2,3] [--context 1048576] [--prefill-chunk 8192] [--prefill-heads 64]
+                [--heads 16,32,64,128] [--top-k 2048] [--out results.json]
 
 Without a GPU the defaults are CPU-sized (small sizes, XLA only; `--interpret` adds the Pallas
 kernels in interpret mode, whose rows are marked and get no % of copy).
@@ -11,7 +11,9 @@ Every kernel figure is validated against its reference before it is timed and si
 baselines from the same run (see writer.py and gather.py); `patch` times the current-chunk patch
 (a scatter of `--chunk` re-encoded tokens into a gathered workspace of 4 * `tokens` rows);
 `prefill` times one step of `prefill_layers` per depth on the local devices (host clock around a
-jitted call of several milliseconds, median of 3, after a warm-up call); `attention` times the
+jitted call of several milliseconds, median of 3, after a warm-up call; on a GPU by default a
+GLM-5-shaped step: 64 heads, top-k 2,048, an 8,192-token chunk on a 1M-token context) and the
+gathers' share of it (see prefill.py); `attention` times the
 sparse-MLA attention over native records per implementation and head count against the bf16
 matmul rate (see attention.py).  `ckv-jax plot` renders
 the JSON.
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ckv_jax import dcp_step, formats
+from ckv_jax import dcp_step, formats, sparse_mla
 from ckv_jax.benchmarks import attention, gather, prefill, report, writer
 from ckv_jax.benchmarks.timing import fastest, measure_copy, measure_in_place, result_fields, torch_copy_timing
 from pallas_kernels import cache_writer
@@ -35,8 +37,9 @@ from pallas_kernels import cache_writer
 OPS = ("writer", "gather", "patch", "prefill", "attention")
 PATTERNS = ("sequential", "random")
 # (GPU default, CPU default) of the options whose sizes only make sense on a GPU
-DEFAULTS = dict(tokens=("65536,262144,1048576", "4096"), chunk=(8192, 512), prefill_chunk=(1024, 128),
-                depths=("0,1,2,3", "0,1"), layers=(8, 2), context=(32768, 2048), repeats=(5, 3),
+DEFAULTS = dict(tokens=("65536,262144,1048576", "4096"), chunk=(8192, 512), prefill_chunk=(8192, 128),
+                depths=("0,1,2,3", "0,1"), layers=(8, 2), context=(1048576, 2048), repeats=(5, 3),
+                prefill_heads=(64, None),
                 heads=("16,32,64,128", "16"), attention_tokens=(4096, 16), attention_rows=(262144, 1024),
                 top_k=(2048, 64))
 
@@ -171,8 +174,12 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=positive_int, default=default["chunk"],
                     help="[patch] current-chunk tokens re-encoded into the workspace")
     ap.add_argument("--prefill-chunk", type=positive_int, default=default["prefill_chunk"],
-                    help="[prefill] query tokens of the step (its reference attention materializes "
-                         "[chunk, 2048, 576] float32 per layer)")
+                    help="[prefill] query tokens of the step")
+    ap.add_argument("--prefill-heads", type=positive_int, default=default["prefill_heads"],
+                    help="[prefill] query heads of the model, split over the devices (default off a GPU: 8 a device)")
+    ap.add_argument("--prefill-attention", choices=("auto",) + sparse_mla.IMPLEMENTATIONS, default="auto",
+                    help="[prefill] the step's attention: auto (the library's choice: a kernel on a GPU, XLA "
+                         "elsewhere) or an implementation")
     ap.add_argument("--depths", type=depth_list, default=default["depths"], help="[prefill] prefetch depths")
     ap.add_argument("--layers", type=positive_int, default=default["layers"], help="[prefill] layers")
     ap.add_argument("--context", type=positive_int, default=default["context"],
@@ -182,7 +189,8 @@ def main(argv=None) -> int:
                     help="[attention] query tokens, each with its own top-k")
     ap.add_argument("--attention-rows", type=positive_int, default=default["attention_rows"],
                     help="[attention] records the top-k rows are drawn from (a workspace or a flat paged cache)")
-    ap.add_argument("--top-k", type=positive_int, default=default["top_k"], help="[attention] rows per query token")
+    ap.add_argument("--top-k", type=positive_int, default=default["top_k"],
+                    help="[attention, prefill] rows per query token")
     ap.add_argument("--repeats", type=positive_int, default=default["repeats"],
                     help="[writer, gather, patch] timed calls per case")
     ap.add_argument("--interpret", action="store_true",
@@ -192,6 +200,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if "gather" in args.ops and any(t < 64 for t in args.tokens):
         ap.error("--tokens: the gathers move whole 64-record pages; expected at least 64")
+    if "prefill" in args.ops and args.prefill_heads and args.prefill_heads % len(jax.devices()):
+        ap.error(f"--prefill-heads {args.prefill_heads}: expected a multiple of the {len(jax.devices())} devices")
     names = args.formats
     meta = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
                 command="ckv-jax bench " + " ".join(argv if argv is not None else sys.argv[2:]))
@@ -215,7 +225,9 @@ def main(argv=None) -> int:
             results += attention.run(args.heads, [name], tokens, args.top_k, args.attention_rows, log, args.interpret)
         else:
             results += prefill.run(args.depths, name, args.layers, args.context,
-                                       min(args.prefill_chunk, args.context), log)
+                                   min(args.prefill_chunk, args.context), log, heads=args.prefill_heads,
+                                   top_k=args.top_k,
+                                   attention=None if args.prefill_attention == "auto" else args.prefill_attention)
         progress.step(f"{op} {name} {tokens} tokens")
         with open(args.out, "w") as f:                   # after every unit, so a cut-off sweep keeps its figures
             json.dump(dict(meta, results=results), f, indent=1)
@@ -223,6 +235,9 @@ def main(argv=None) -> int:
         times = report.timing_text(r) if "gbps" in r else f"{r['us']:.1f} us"
         if r["op"] == "attention":
             times += f" {r['tflops']:.3g} TFLOP/s, H={r['heads']}" + (" (interpret mode)" if r.get("mode") else "")
+        if r["op"] == "prefill_step":
+            times += f", attention {r['attention']} {r['attention_tflops']:.3g} TFLOP/s" + (
+                "" if r["gather_share_pct"] is None else f", gathers exposed {r['gather_share_pct']:.1f}%")
         print(f"{r['op']:<14} {r['format']:<13} {r['tokens']:>8} {r.get('depth', r.get('pattern', '')):<10} "
               f"{r['implementation']:<19} {times} exact={r['exact']}")
     print(f"wrote {len(results)} results to {args.out}")

@@ -5,7 +5,9 @@ mode on CPU for tests), ``"pallas_mosaic_gpu"`` (warp-specialized wgmma kernel; 
 records, SM90+, interpret mode on CPU) and ``"xla"`` (the reference blocked over query tokens,
 any backend).  `implementation=None` takes the measured order for the device and size
 (`pallas_kernels.tuning`, op "sparse_mla_attention"; no device kind has one yet), else
-DEFAULT_ORDER: XLA first.  The kernels run where a caller names them (BENCHMARKS.md).
+DEFAULT_ORDER: a kernel wherever one runs compiled (a GPU; the Mosaic GPU kernel only for
+fp8_ds_mla records), XLA elsewhere.  Triton comes first: on the H200 it is twice as fast as the
+Mosaic GPU kernel at 16 heads and as fast at 64-128 (BENCHMARKS.md, the tenth session).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from pallas_kernels.sparse_mla_attention.pallas_mosaic_gpu import MosaicAttentio
 from pallas_kernels.sparse_mla_attention.pallas_triton import AttentionTiles
 from pallas_kernels.sparse_mla_attention.reference import attention_blocked
 
-DEFAULT_ORDER = ("xla", "pallas_triton", "pallas_mosaic_gpu")
+DEFAULT_ORDER = ("pallas_triton", "pallas_mosaic_gpu", "xla")
 MOSAIC_FORMAT = "fp8_tiles"          # the one record layout the Mosaic GPU kernel reads (fp8_ds_mla's bytes)
 
 
@@ -78,8 +80,17 @@ def sparse_mla_attention(q, records, indices, counts, sm_scale, *, layout: Recor
                          device: jax.Device | None = None):
     """Unchecked entry (`ckv_jax.sparse_mla_attention` checks): (out [T, H, nope_dim] out_dtype,
     lse f32[T, H]).  device: where it runs (default: the records'; pass it inside jit)."""
-    skip = () if mosaic_reads(layout) else ("pallas_mosaic_gpu",)
-    run = SPARSE_MLA_ATTENTION.select(implementation, device or selection.device_of(records), records.size,
-                                      flops(q.shape[0], q.shape[1], indices.shape[1], layout),
-                                      interpret=interpret, config=config, skip=skip)
+    run = select(implementation, device or selection.device_of(records), layout, records.size, q.shape[0],
+                 q.shape[1], indices.shape[1], interpret=interpret, config=config)
     return run(q, records, indices, counts, sm_scale, layout=layout, out_dtype=out_dtype, interpret=interpret)
+
+
+def select(implementation: str | Sequence[str] | None, device: jax.Device, layout: RecordLayout, records_bytes: int,
+           num_tokens: int, num_heads: int, top_k: int, *, interpret: bool = False,
+           config: AttentionTiles | MosaicAttentionTiles | None = None) -> selection.Selected:
+    """The implementation (and tiles) `sparse_mla_attention` runs for these records and this
+    shape on `device`; the Mosaic GPU kernel is left out of the automatic order for records it
+    does not read."""
+    skip = () if mosaic_reads(layout) else ("pallas_mosaic_gpu",)
+    return SPARSE_MLA_ATTENTION.select(implementation, device, records_bytes, flops(num_tokens, num_heads, top_k, layout),
+                                       interpret=interpret, config=config, skip=skip)
