@@ -49,10 +49,10 @@ def mosaic_gpu_load(ref, *, layout, optimized: bool = True):
     return plgpu.load(ref, layout=layout, optimized=optimized)
 
 
-def single_barrier(ref):
-    """The barrier of a `plgpu.Barrier` scratch of one barrier: a ref of shape (1,) in jax 0.10,
-    of shape () in 0.11."""
-    return ref if ref.shape == () else ref.at[0]
+def barrier_at(ref, index):
+    """Barrier `index` of a `plgpu.Barrier` scratch: a scratch of one barrier is a ref of shape
+    (1,) in jax 0.10 and of shape () in 0.11 (where `index` can only be 0)."""
+    return ref if ref.shape == () else ref.at[index]
 
 
 def on_gpu(device: jax.Device | None = None) -> bool:

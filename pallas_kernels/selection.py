@@ -22,10 +22,12 @@ SupportPredicate = Callable[[jax.Device, int, bool], "tuple[bool, str]"]
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-    """One backend of an op: `run(*args, config=tiles or None, interpret=..., **kwargs)`."""
+    """One backend of an op: `run(*args, config=tiles or None, interpret=..., **kwargs)`.
+    config_type: its tile type where it differs from the op's."""
     name: str
     supported_on: SupportPredicate
     run: Callable[..., Any]
+    config_type: type | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,10 @@ class KernelOp:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(impl.name for impl in self.implementations)
+
+    def tile_type(self, name: str) -> type | None:
+        """The tile config type of implementation `name` (its own, else the op's)."""
+        return self.implementation(name).config_type or self.config_type
 
     def implementation(self, name: str) -> Implementation:
         for impl in self.implementations:
@@ -93,8 +99,9 @@ class KernelOp:
             impl = self.implementation(name)
             ok, why = impl.supported_on(device, buffer_bytes, interpret)
             if ok:
-                if config is None and self.config_type is not None and name in entry.configs:
-                    config = self.config_type(**entry.configs[name])
+                tiles = self.tile_type(name)
+                if config is None and tiles is not None and name in entry.configs:
+                    config = tiles(**entry.configs[name])
                 return Selected(impl, config)
             reasons.append(f"{name}: {why}")
         raise ValueError(f"implementation: none of {list(names)} is supported here ({'; '.join(reasons)})")

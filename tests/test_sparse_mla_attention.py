@@ -179,17 +179,20 @@ def test_the_mosaic_kernel_matches_the_oracle(heads, kernel_mode):
     assert_close(MOSAIC, got, oracle_attention(MOSAIC, q, records, indices, counts, sm_scale), f"mosaic H={heads}")
 
 
-def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(kernel_mode):
+@pytest.mark.parametrize("copy_warps", [1, 4])
+def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(copy_warps, kernel_mode):
     """130 entries (three tiles of 64, the last partial) with scores in the tens: each tile's fp8
-    scale must multiply its own products, exactly."""
+    scale must multiply its own products, exactly; with the record copies issued by the memory
+    warpgroup as one and by its four warps (interpreted: one issuer over the four barriers)."""
     q, records, indices, counts, sm_scale = make_case(MOSAIC, 3, 16, seed=13, k=130)
     q = (q.astype(np.float32) * 16).astype(ml_dtypes.bfloat16)
     want = oracle_attention(MOSAIC, q, records, indices, counts, sm_scale)
     assert np.abs(want[1][np.isfinite(want[1])]).max() > 40, "the case must reach large scores"
-    got = ckv_jax.sparse_mla_attention(jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices),
-                                       jnp.asarray(counts), sm_scale, format=MOSAIC, implementation="pallas_mosaic_gpu",
-                                       interpret=kernel_mode == "interpret")
-    assert_close(MOSAIC, got, want, "mosaic, three tiles, large scores")
+    got = attention_op.sparse_mla_attention(jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices),
+                                            jnp.asarray(counts), sm_scale, layout=formats.get(MOSAIC).layout,
+                                            implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret",
+                                            config=MosaicAttentionTiles(copy_warps=copy_warps))
+    assert_close(MOSAIC, got, want, f"mosaic, three tiles, large scores, {copy_warps} copy issuer(s)")
 
 
 def test_the_mosaic_kernel_is_named_for_fp8_records_only():
@@ -206,15 +209,19 @@ def test_the_mosaic_kernel_is_named_for_fp8_records_only():
                                           config=AttentionTiles())
     with pytest.raises(ValueError, match="block_k: expected 64"):
         MosaicAttentionTiles(block_k=32)
+    with pytest.raises(ValueError, match="copy_warps: expected 1 or 4, got 2"):
+        MosaicAttentionTiles(copy_warps=2)
     wide = jnp.zeros((2, 4097), jnp.int32)
     with pytest.raises(ValueError, match=r"indices: .* at most 4096 entries; got int32\[2, 4097\]"):
         attention_op.sparse_mla_attention(q8, records8, wide, counts8, sm_scale, layout=formats.get(MOSAIC).layout,
                                           implementation="pallas_mosaic_gpu", interpret=True)
 
 
-def test_the_mosaic_kernel_lowers_for_cuda():
+@pytest.mark.parametrize("copy_warps", [1, 4])
+def test_the_mosaic_kernel_lowers_for_cuda(copy_warps):
     sds = jax.ShapeDtypeStruct
-    text = jax.jit(lambda q, r, i, c: attention_op.sparse_mla_attention_mosaic(q, r, i, c, 0.04)).trace(
+    tiles = MosaicAttentionTiles(copy_warps=copy_warps)
+    text = jax.jit(lambda q, r, i, c: attention_op.sparse_mla_attention_mosaic(q, r, i, c, 0.04, config=tiles)).trace(
         sds((64, 64, 576), jnp.bfloat16), sds((4096, 656), jnp.uint8), sds((64, 2048), jnp.int32),
         sds((64,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call") == 1 and "ckv_sparse_mla_attention_mgpu_fp8" in text

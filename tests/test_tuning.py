@@ -15,6 +15,7 @@ from ckv_jax.benchmarks import timing as timing_mod
 from pallas_kernels import cache_writer, paged_gather, selection, sparse_mla_attention, tuning
 from pallas_kernels.cache_writer import WriterTiles
 from pallas_kernels.paged_gather import GatherTiles
+from pallas_kernels.sparse_mla_attention import AttentionTiles
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
 import tune  # noqa: E402  (a maintainer tool, not installed)
@@ -59,7 +60,7 @@ def test_shipped_tables_are_valid():
                 assert row["order"] and set(row["order"]) <= set(OPS[op].names), (op, row)
                 for impl, fields in row["configs"].items():
                     assert impl in row["order"]
-                    OPS[op].config_type(**fields)          # every tuned config is constructible
+                    OPS[op].tile_type(impl)(**fields)      # every tuned config is constructible
 
 
 def test_lookup_picks_the_entry_by_bytes_and_falls_back_to_the_default():
@@ -90,6 +91,21 @@ def test_a_tuned_order_falls_back_to_the_rest_of_the_default_order(tuned):
     assert paged_gather.GATHER_RECORDS.select(None, cpu, 1024, 1024).name == "xla"
     tuned("gather_records", [(0, ("pallas_mosaic_gpu", "pallas_triton"), {})])
     assert paged_gather.GATHER_RECORDS.select(None, cpu, 1024, 1024).name == "xla"
+
+
+def test_an_implementation_with_its_own_tiles_gets_them_from_the_table(tuned):
+    """The attention's Mosaic GPU kernel has a tile type of its own: a measured config of it
+    reaches the selection as that type (the op's type is the Triton kernel's)."""
+    from pallas_kernels.sparse_mla_attention import MosaicAttentionTiles
+    from pallas_kernels.sparse_mla_attention import api as attention_api
+    tuned("sparse_mla_attention", [(0, ("pallas_mosaic_gpu", "pallas_triton"),
+                                    {"pallas_mosaic_gpu": {"copy_warps": 4},
+                                     "pallas_triton": {"block_h": 32}})])
+    cpu, fp8 = jax.devices()[0], formats.get("fp8_ds_mla").layout
+    chosen = attention_api.select(None, cpu, fp8, 1 << 20, 64, 16, 2048, interpret=True)
+    assert (chosen.name, chosen.config) == ("pallas_mosaic_gpu", MosaicAttentionTiles(copy_warps=4))
+    chosen = attention_api.select(None, cpu, formats.get("bf16").layout, 1 << 20, 64, 16, 2048, interpret=True)
+    assert (chosen.name, chosen.config) == ("pallas_triton", AttentionTiles(block_h=32))
 
 
 def test_selection_rejects_unknown_names_and_types():

@@ -38,7 +38,8 @@ from ckv_jax.benchmarks.timing import (Timing, fastest, measure_copy, measure_in
 from pallas_kernels import cache_writer, compat, paged_gather, sparse_mla_attention, tuning
 from pallas_kernels.cache_writer import WriterTiles
 from pallas_kernels.paged_gather import GatherTiles
-from pallas_kernels.sparse_mla_attention import AttentionTiles
+from pallas_kernels.sparse_mla_attention import AttentionTiles, MosaicAttentionTiles
+from pallas_kernels.sparse_mla_attention.api import mosaic_reads
 
 BLOCK = 64
 MIN_CACHE_BYTES = 512 * 2 ** 20
@@ -249,6 +250,7 @@ def sweep_writer(names, log, results):
 
 ATTENTION_CONFIGS = [AttentionTiles(h, k, w, st) for h, k, w, st in
                      [(16, 32, 4, 1), (32, 32, 8, 1), (32, 64, 8, 1), (64, 32, 8, 1), (64, 64, 8, 1), (32, 32, 4, 2)]]
+MOSAIC_ATTENTION_CONFIGS = [MosaicAttentionTiles(copy_warps=w) for w in (1, 4)]     # fp8_ds_mla records only
 # the prefill shape of the attention goals: T query tokens with their own top-k over a gathered
 # fp8 workspace far above L2, at the head counts of TP 8 (16), TP 2 (64) and one GPU (128)
 ATTENTION_SHAPE = dict(tokens=4096, top_k=2048, rows=262144)
@@ -268,13 +270,17 @@ def sweep_attention(names, log, results):
             work = sparse_mla_attention.flops(t, heads, k, fmt.layout)
             reference = sparse_mla_attention.attention_blocked(inputs[0][0], records, *inputs[0][1:], 576 ** -0.5,
                                                                layout=fmt.layout)
-            for cfg in ATTENTION_CONFIGS:
-                def op(q, indices, counts, cfg=cfg):
-                    return sparse_mla_attention.sparse_mla_attention_triton(q, records, indices, counts, 576 ** -0.5,
-                                                                            layout=fmt.layout, config=cfg)
+            variants = [("pallas_triton", cfg) for cfg in ATTENTION_CONFIGS]
+            if mosaic_reads(fmt.layout) and compat.on_gpu():
+                variants += [("pallas_mosaic_gpu", cfg) for cfg in MOSAIC_ATTENTION_CONFIGS]
+            for impl, cfg in variants:
+                def op(q, indices, counts, impl=impl, cfg=cfg):
+                    return sparse_mla_attention.sparse_mla_attention(q, records, indices, counts, 576 ** -0.5,
+                                                                     layout=fmt.layout, implementation=impl,
+                                                                     config=cfg)
                 exact = bench.agrees(jax.jit(op)(*inputs[0]), reference)
                 timing = measure_pure(op, inputs)
-                row = dict(op="sparse_mla_attention", format=name, size=work, implementation="pallas_triton",
+                row = dict(op="sparse_mla_attention", format=name, size=work, implementation=impl,
                            config=dataclasses.asdict(cfg), bytes_moved=work, exact=exact, us=timing.seconds * 1e6,
                            heads=heads, tflops=work / timing.seconds / 1e12)
                 if timing.device_seconds is not None:

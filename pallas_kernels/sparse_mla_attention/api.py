@@ -64,7 +64,8 @@ def _run_xla(q, records, indices, counts, sm_scale, *, layout, out_dtype, interp
 SPARSE_MLA_ATTENTION = selection.KernelOp(
     "sparse_mla_attention",
     (selection.Implementation("pallas_triton", selection.triton_supported, _run_triton),
-     selection.Implementation("pallas_mosaic_gpu", selection.mosaic_gpu_supported, _run_mosaic),
+     selection.Implementation("pallas_mosaic_gpu", selection.mosaic_gpu_supported, _run_mosaic,
+                              MosaicAttentionTiles),
      selection.Implementation("xla", selection.always_supported, _run_xla)),
     DEFAULT_ORDER, AttentionTiles)
 

@@ -4,8 +4,9 @@ Grid (T, H_pad / 64): CTA (t, b) computes heads [64 b, 64 b + 64) of query token
 M (fewer heads are padded to 64, so 16 heads cost what 64 do).  Three warpgroups:
 
 - the memory warpgroup copies the token's index row into SMEM once, then per tile of `block_k`
-  top-k entries issues three bulk copies per row (`cp.async.bulk`, no tensor map; a copy must
-  move a multiple of 128 bytes, and a ref has one dtype): the e4m3 NoPE (bytes [0, 512), u8),
+  top-k entries issues (as one, or from each of its warps for a quarter of the rows:
+  `copy_warps`) three bulk copies per row (`cp.async.bulk`, no tensor map; a copy must move a
+  multiple of 128 bytes, and a ref has one dtype): the e4m3 NoPE (bytes [0, 512), u8),
   the 128 bytes from the tile scales on (f32, scales in its first four words) and the RoPE
   (bf16).  An entry that is a hole, outside [0, N) or past the token's count copies row 0
   instead, so every tile receives the same bytes; the compute side masks it out.  One slot: the
@@ -26,8 +27,12 @@ bf16.  Same contract as `reference.attention_reference`; SM90+ (wgmma, bulk copi
 
 Where it stands (BENCHMARKS.md): at 64 and 128 heads it runs at the Triton kernel's rate, and
 its time does not change from 16 to 64 heads: it is bound by the memory warpgroup's issue of
-192 copies a tile (each copy arrives on the tile's barrier from all 128 threads), not by the
-MMAs.
+192 copies a tile, not by the MMAs.  In Pallas' lowering each copy issued by a warpgroup first
+synchronizes the warpgroup and then arrives on the barrier from all 128 threads: 24,576 arrivals
+on one barrier a tile, which at about one a cycle is the ~15 us a tile measured.
+`MosaicAttentionTiles(copy_warps=4)` lets each warp issue a quarter of the rows onto a barrier of
+its own (32 arrivals a copy, no warpgroup barrier); it is checked in interpret mode and lowers
+for CUDA, and is not yet timed on a GPU, so the default stays 1.
 
 Interpret mode (CPU tests) runs the same pipeline, copies, barriers and masks; it has no register
 layouts and its wgmma takes neither a transposed operand nor an accumulator initialised from a
@@ -51,21 +56,30 @@ NUM_PARTS = 4
 NOPE_DIM, ROPE_DIM = 512, 64
 RECORD_BYTES = 656          # fp8_ds_mla: e4m3 NoPE [0, 512), four f32 tile scales [512, 528), bf16 RoPE [528, 656)
 MAX_TOP_K = 4096            # a token's index row lives in SMEM beside the ~200 KB of tiles
+WARPS_PER_WARPGROUP = 4
+COPIES_PER_ROW = 3          # the NoPE bytes, the 128 bytes from the scales on, the RoPE
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class MosaicAttentionTiles:
     block_k: int = 64           # top-k rows per step (the score tile's N)
+    # Issuers of the record copies: 1, the memory warpgroup as one (every copy an arrival of all
+    # 128 threads on one barrier, after a warpgroup barrier), or 4, each warp of it issuing a
+    # quarter of the rows onto a barrier of its own (32 threads arrive per copy, no warpgroup
+    # barrier per copy).  The copies' arrivals on one barrier bound the kernel (module docstring).
+    copy_warps: int = 1
 
     def __post_init__(self):
         selection.check_power_of_two_fields(self, ("block_k",))
         if self.block_k != 64:
             raise ValueError(f"block_k: expected 64 (the WGMMA layout's rows), got {self.block_k}")
+        if self.copy_warps not in (1, WARPS_PER_WARPGROUP):
+            raise ValueError(f"copy_warps: expected 1 or {WARPS_PER_WARPGROUP}, got {self.copy_warps}")
 
 
 def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out_ref, lse_ref,
             q_smem, idx_smem, nope_raw, scale_raw, rope_raw, k_smem, scales_smem,
-            loaded, raw_bar, tile_syncs, *, num_records, top_k, block_k,
+            loaded, raw_bars, tile_syncs, *, num_records, top_k, block_k, copy_warps,
             interpret):
     # idx_ref: i32[T, top_k]; count_ref: i32[T]; scale_ref: f32[1]; q_ref: bf16[T, H_pad, 576]
     # rec_u8 / rec_f32 / rec_bf16: the records u8[N, 656], viewed as f32[N, 164] and bf16[N, 328]
@@ -74,13 +88,13 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
     # nope_raw: u8[block_k, 512]; scale_raw: f32[block_k, 32] (scales in columns 0-3);
     # rope_raw: bf16[block_k, 64]; k_smem: bf16[block_k, 576] (swizzled);
     # scales_smem: f32[4, block_k]
-    # loaded: barriers[2] (q, the index row); raw_bar: the tile's record copies; tile_syncs:
-    # barriers[3] of the compute warpgroups (both read the tile's records, wrote K, read K)
+    # loaded: barriers[2] (q, the index row); raw_bars: barriers[copy_warps] of the tile's record
+    # copies (row j's on barrier j % copy_warps); tile_syncs: barriers[3] of the compute
+    # warpgroups (both read the tile's records, wrote K, read K)
     plgpu = compat.plgpu
     t, hb, wg = lax.axis_index("t"), lax.axis_index("hb"), lax.axis_index("wg")
     q_bar, idx_bar = loaded.at[0], loaded.at[1]
     consumed_bar, k_ready, k_free = tile_syncs.at[0], tile_syncs.at[1], tile_syncs.at[2]
-    raw_bar = compat.single_barrier(raw_bar)
     count = jnp.clip(count_ref[t], 0, top_k)
     num_tiles = (count + block_k - 1) // block_k
     heads = pl.ds(hb * HEADS_PER_CTA, HEADS_PER_CTA)
@@ -137,23 +151,33 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
         plgpu.copy_gmem_to_smem(idx_ref.at[t], idx_smem, idx_bar, oob_mode=in_bounds)
         plgpu.barrier_wait(idx_bar)
 
+        def copy_rows(i, first, step):
+            """The copies of rows first, first + step, ... of tile i, row j's onto raw_bars[j % copy_warps]."""
+            @pl.loop(first, block_k, step=step)
+            def _row(j):
+                pos = i * block_k + j
+                row = idx_smem[pos]
+                row = jnp.where(entry_ok(pos, row), row, 0)     # masked entries copy row 0, never used
+                bar = compat.barrier_at(raw_bars, j % copy_warps)
+                plgpu.copy_gmem_to_smem(rec_u8.at[row, pl.ds(0, NOPE_DIM)], nope_raw.at[j], bar,
+                                        oob_mode=in_bounds)
+                plgpu.copy_gmem_to_smem(rec_f32.at[row, pl.ds(NOPE_DIM // 4, 32)], scale_raw.at[j], bar,
+                                        oob_mode=in_bounds)
+                plgpu.copy_gmem_to_smem(rec_bf16.at[row, pl.ds((NOPE_DIM + 16) // 2, ROPE_DIM)], rope_raw.at[j],
+                                        bar, oob_mode=in_bounds)
+
         @pl.loop(0, num_tiles)
         def _tile(i):
             @pl.when(i > 0)
             def _():
                 plgpu.barrier_wait(consumed_bar)         # both compute warpgroups read the slot
 
-            @pl.loop(0, block_k)
-            def _row(j):
-                pos = i * block_k + j
-                row = idx_smem[pos]
-                row = jnp.where(entry_ok(pos, row), row, 0)     # masked entries copy row 0, never used
-                plgpu.copy_gmem_to_smem(rec_u8.at[row, pl.ds(0, NOPE_DIM)], nope_raw.at[j], raw_bar,
-                                        oob_mode=in_bounds)
-                plgpu.copy_gmem_to_smem(rec_f32.at[row, pl.ds(NOPE_DIM // 4, 32)], scale_raw.at[j], raw_bar,
-                                        oob_mode=in_bounds)
-                plgpu.copy_gmem_to_smem(rec_bf16.at[row, pl.ds((NOPE_DIM + 16) // 2, ROPE_DIM)], rope_raw.at[j],
-                                        raw_bar, oob_mode=in_bounds)
+            if copy_warps == 1 or interpret:     # the interpreter has no warp-level scopes: one issuer
+                copy_rows(i, 0, 1)
+            else:
+                @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
+                def _per_warp():
+                    copy_rows(i, lax.axis_index("warp"), copy_warps)
 
         @pl.when(num_tiles > 0)
         def _():
@@ -174,7 +198,8 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
         def tile(i, carry):
             accs, m_prev, l_prev, nan_seen, seen = carry
             pos0 = i * block_k
-            plgpu.barrier_wait(raw_bar)
+            for b in range(copy_warps):
+                plgpu.barrier_wait(compat.barrier_at(raw_bars, b))
             # this warpgroup's share of the K tile: its two NoPE parts (and the RoPE for w = 0),
             # exact e4m3 values, masked entries' rows zeroed; its parts' scales per entry
             k_rows = load(idx_smem.at[pl.ds(pos0, block_k)], rows_of)
@@ -278,7 +303,8 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, config
     rec_f32 = lax.bitcast_convert_type(records.reshape(n, RECORD_BYTES // 4, 4), jnp.float32)
     rec_bf16 = lax.bitcast_convert_type(records.reshape(n, RECORD_BYTES // 2, 2), jnp.bfloat16)
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    kernel = functools.partial(_kernel, num_records=n, top_k=kp, block_k=block_k, interpret=bool(interpret))
+    kernel = functools.partial(_kernel, num_records=n, top_k=kp, block_k=block_k, copy_warps=config.copy_warps,
+                               interpret=bool(interpret))
     extra = {"interpret": interpret} if interpret else {}
     out, lse = plgpu.kernel(
         kernel,
@@ -293,7 +319,8 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, config
             plgpu.SMEM((block_k, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((NUM_PARTS, block_k), jnp.float32),
             plgpu.Barrier(num_arrivals=1, num_barriers=2),
-            plgpu.Barrier(num_arrivals=3 * block_k),
+            plgpu.Barrier(num_arrivals=COPIES_PER_ROW * block_k // config.copy_warps,
+                          num_barriers=config.copy_warps),
             plgpu.Barrier(num_arrivals=2, num_barriers=3),
         ],
         # Lane semantics (jax 0.11's default is Warpgroup, whose layout inference cannot place
