@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks and figures of the project in stages, each inside the device's 600 s per command.
 # Run from the repository root:  [STAGES="..."] bash tools/device_run.sh   (output under $OUT)
-# Stages (default all, in this order): env tests examples trace interop writer gather patch prefill
-# attention sanitizer plot.  KERNEL_ARGS / PREFILL_ARGS / ATTENTION_ARGS / PYTEST_ARGS override the sweeps and the test
-# selection (default: the GPU tests, `-m gpu`).  Extra stages, run only when named: tune (the
+# Stages (default all, in this order): env tests examples (with the demo) trace interop writer
+# gather patch prefill attention sanitizer plot.  KERNEL_ARGS / PREFILL_ARGS / ATTENTION_ARGS /
+# PYTEST_ARGS override the sweeps and the test selection (default: the GPU tests, `-m gpu`).  Extra stages, run only when named: tune (the
 # tuning sweep, TUNE_ARGS), ncu (Nsight Compute on our kernels and torch's, NCU_RUNS); NCU_SECTIONS
 # and NCU_FORMAT override the ncu sections and the record format.  TRACE_BEFORE=DIR adds the
 # adapter's kernel timeline of another checkout (e.g. an older commit) beside this one's.
@@ -22,6 +22,7 @@ want tests && step "GPU tests" 180 python -m pytest tests -q -p no:cacheprovider
 if want examples; then
   step "torch engine example" 90 python examples/torch_engine.py 2>&1 | tee "$OUT/example_torch_engine.txt"
   step "flax example" 90 python examples/flax_mla.py --dcp 1 2>&1 | tee "$OUT/example_flax.txt"
+  step "demo" 120 python -m ckv_jax.cli demo --dcp 1 2>&1 | tee "$OUT/demo.txt"
 fi
 want tune && step "tuning sweep" ${TUNE_TIMEOUT:-420} python tools/tune.py ${TUNE_ARGS:-} \
   --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.txt"
