@@ -8,7 +8,9 @@ local devices, each token with its own top-k, the attention `implementation=None
 kernel on a GPU) unless one is named.  The gathers alone (every layer's pack and all-gather, no
 write, patch or attention) are timed the same way; at depth 0 the step runs each gather between
 its layer's write and attention, so `gather_share_pct` = (step_d - (step_0 - gathers)) / step_d
-is the share of the step the gathers leave exposed at depth d (at depth 0: gathers / step_0)."""
+is the share of the step the gathers leave exposed at depth d (at depth 0: gathers / step_0).
+`attention_tflops` is the attention's FLOPs (`sparse_mla_attention.flops`, all layers) over the
+whole step's time, a lower bound of the attention's own rate."""
 from __future__ import annotations
 
 import functools
