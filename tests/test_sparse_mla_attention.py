@@ -217,14 +217,20 @@ def test_the_mosaic_kernel_is_named_for_fp8_records_only():
                                           implementation="pallas_mosaic_gpu", interpret=True)
 
 
-@pytest.mark.parametrize("copy_warps", [1, 4])
-def test_the_mosaic_kernel_lowers_for_cuda(copy_warps):
+def test_the_mosaic_kernel_lowers_for_cuda():
+    """Both copy issuers lower for CUDA (the four-warp one runs on a GPU only: the interpreter has
+    no warp-level scopes), and they lower to different kernels."""
     sds = jax.ShapeDtypeStruct
-    tiles = MosaicAttentionTiles(copy_warps=copy_warps)
-    text = jax.jit(lambda q, r, i, c: attention_op.sparse_mla_attention_mosaic(q, r, i, c, 0.04, config=tiles)).trace(
-        sds((64, 64, 576), jnp.bfloat16), sds((4096, 656), jnp.uint8), sds((64, 2048), jnp.int32),
-        sds((64,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("stablehlo.custom_call") == 1 and "ckv_sparse_mla_attention_mgpu_fp8" in text
+    texts = []
+    for copy_warps in (1, 4):
+        tiles = MosaicAttentionTiles(copy_warps=copy_warps)
+        texts.append(jax.jit(lambda q, r, i, c: attention_op.sparse_mla_attention_mosaic(q, r, i, c, 0.04,
+                                                                                          config=tiles)).trace(
+            sds((64, 64, 576), jnp.bfloat16), sds((4096, 656), jnp.uint8), sds((64, 2048), jnp.int32),
+            sds((64,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text())
+    for text in texts:
+        assert text.count("stablehlo.custom_call") == 1 and "ckv_sparse_mla_attention_mgpu_fp8" in text
+    assert texts[0] != texts[1]
 
 
 @pytest.mark.parametrize("name", NAMES)
