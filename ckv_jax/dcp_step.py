@@ -180,6 +180,24 @@ def static_implementation(implementation):
     return tuple(implementation)
 
 
+def owned_topk_slots(topk, arrays: StepArrays, rank, block_size: int):
+    """The stock DCP path's rows of one rank: of the global top-k i32[T, K] (positions per
+    request, -1 = none), the entries this rank's cache holds, as its cache slots, first and in
+    their order, then -1; and their number per token.  The attention stops after counts[t]
+    columns, so a rank walks its own ~K / D entries, not all K.
+
+    Entries outside [0, causal length) are dropped, as are positions past the rank's local length.
+    rank: a Python int or `lax.axis_index` inside the shard_map.  Returns (i32[T, K], i32[T])."""
+    layout, table, req_id = arrays.layout, arrays.block_table, arrays.req_id
+    local = layout.local_index(topk)
+    block = jnp.clip(local // block_size, 0, table.shape[1] - 1)
+    mine = ((topk >= 0) & (topk < arrays.causal_len[:, None]) & (layout.owner(topk) == rank)
+            & (local < arrays.rank_lens[rank, req_id][:, None]))
+    slots = jnp.where(mine, table[req_id[:, None], block] * block_size + local % block_size, -1)
+    order = jnp.argsort(~mine, axis=1, stable=True)
+    return jnp.take_along_axis(slots, order, axis=1), jnp.sum(mine, axis=1, dtype=jnp.int32)
+
+
 # -- the three operations, usable inside a shard_map over the DCP axis --------------------------------
 def gather_workspace_in_shard_map(cache, arrays: StepArrays, *, out=None, axis_name: str = DCP_AXIS,
                                   implementation=None, interpret: bool = False, tiles=None, device=None):

@@ -202,7 +202,8 @@ def stock_dcp_attention(q, caches, block_table, topk, plan: StepPlan, sm_scale, 
                         format: str | formats.RecordFormat, mesh, axis_name: str = DCP_AXIS,
                         implementation: str | Sequence[str] | None = None, interpret: bool = False):
     """Stock DCP path: every rank attends its own shard with all heads and the global top-k
-    filtered to the entries it owns (as local physical slots), then the LSE merge.
+    filtered to the entries it owns (as local physical slots, moved to the front: its attention
+    walks only those, `dcp_step.owned_topk_slots`), then the LSE merge.
 
     caches: u8[D * num_blocks, block_size, R] sharded as for `all_gather_ckv`; topk: i32[T, K]
     global positions.  Returns out bf16[T, H, 512], lse f32[T, H], replicated.  The per-rank
@@ -221,19 +222,11 @@ def stock_dcp_attention(q, caches, block_table, topk, plan: StepPlan, sm_scale, 
                          f"got {validation.describe(q)}")
     dcp_step.check_block_table(plan, block_table)
     mesh = placement.auto_axes(mesh)
-    layout = plan.layout
     rec_layout = fmt.layout
 
     def body(q_all, cache, tk, arrays):
-        rank = lax.axis_index(axis_name)
         num_blocks, block_size, record_bytes = cache.shape
-        table, req_id = arrays.block_table, arrays.req_id
-        local = layout.local_index(tk)
-        blk = jnp.clip(local // block_size, 0, table.shape[1] - 1)
-        mine = ((tk >= 0) & (tk < arrays.causal_len[:, None]) & (layout.owner(tk) == rank)
-                & (local < arrays.rank_lens[rank, req_id][:, None]))
-        slots = jnp.where(mine, table[req_id[:, None], blk] * block_size + local % block_size, -1)
-        counts = jnp.full((tk.shape[0],), tk.shape[1], jnp.int32)
+        slots, counts = dcp_step.owned_topk_slots(tk, arrays, lax.axis_index(axis_name), block_size)
         out, lse = attend(q_all, cache.reshape(num_blocks * block_size, record_bytes), slots, counts,
                           sm_scale, rec_layout, implementation=implementation, interpret=interpret,
                           device=placement.mesh_device(mesh))

@@ -85,6 +85,29 @@ def _single_device(sc, q, topk, sm_scale):
                                            jnp.asarray(counts), sm_scale, format=sc.fmt.name)
 
 
+@pytest.mark.parametrize("d, interleave", [(2, 1), (4, 2)])
+def test_each_rank_walks_only_its_own_topk_entries(d, interleave):
+    """The stock path's rows of a rank (`owned_topk_slots`): the entries its cache holds, as slots
+    the layout's slot mapping gives, first and in the top-k's order, then -1; their number is the
+    count.  Holes, future positions and other ranks' entries are dropped."""
+    sc = dcp_scenario.build(d, interleave, "fp8_ds_mla", SEQ_LENS, QUERY_LENS, seed=5)
+    plan, table = sc.plan, sc.block_table
+    topk = _global_topk(sc, np.random.default_rng(d))
+    arrays = dcp_step.step_arrays(plan, table, mesh_of(d))
+    pos = plan.positions()
+    for rank in range(d):
+        slots, counts = dcp_step.owned_topk_slots(jnp.asarray(topk), arrays, rank, plan.layout.block_size)
+        slots, counts = np.asarray(slots), np.asarray(counts)
+        for t in range(plan.num_tokens):
+            r = plan.req_id_per_token[t]
+            causal = [p for p in topk[t] if 0 <= p <= pos[t]]
+            mapped = [int(plan.layout.slot_mapping(np.array([p]), np.array([r]), table, rank)[0]) for p in causal]
+            want = [s for s in mapped if s >= 0]
+            assert counts[t] == len(want), (rank, t)
+            assert slots[t].tolist() == want + [-1] * (topk.shape[1] - len(want)), (rank, t)
+    assert 0 < counts.sum() < (topk >= 0).sum()
+
+
 def _close(a, b, what):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.abs(b).max(), err_msg=what)
