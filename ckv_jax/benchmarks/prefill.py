@@ -86,10 +86,11 @@ def run(depths, fmt_name, layers, context, chunk, log, *, heads=None, top_k=2048
     pe = rng.standard_normal((512, 64)).astype(jnp.bfloat16)
     pages = np.asarray(fmt.encode(jnp.asarray(kv), jnp.asarray(pe))).reshape(8, 64, fmt.record_bytes)
     host_caches = [np.tile(pages, (blocks // 8 + 1, 1, 1))[:blocks]] * dcp
+    master = place_caches(host_caches, mesh)
 
     def fresh_caches():
-        caches = [place_caches(host_caches, mesh) for _ in range(layers)]
-        return jax.block_until_ready(caches)
+        """Every layer's cache, a device copy of the same history (the step donates its caches)."""
+        return jax.block_until_ready([master.copy() for _ in range(layers)])
 
     arrays = step_arrays(plan, table, mesh)
     calls = {"gathers": lambda caches: [gather_program(c, arrays, mesh=mesh) for c in caches]}
