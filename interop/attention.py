@@ -34,10 +34,10 @@ def sparse_mla_attention(q: torch.Tensor, records: torch.Tensor, indices: torch.
       out bf16[T, H, 512], lse f32[T, H]: torch tensors on the inputs' device, in JAX's memory.
     """
     bridge.check_not_capturing("sparse_mla_attention")
-    bridge.check_tensor("records", records)
+    table = bridge.to_jax(records, name="records")          # every other input must be on its device
     device = bridge.jax_device_of(records)
-    arrays = [bridge.to_jax(tensor, name=name, device=device)
-              for name, tensor in (("q", q), ("records", records), ("indices", indices), ("counts", counts))]
-    out, lse = sparse_mla.sparse_mla_attention(*arrays, sm_scale, format=format, implementation=implementation,
-                                               interpret=interpret)
+    q, indices, counts = (bridge.to_jax(tensor, name=name, device=device)
+                          for name, tensor in (("q", q), ("indices", indices), ("counts", counts)))
+    out, lse = sparse_mla.sparse_mla_attention(q, table, indices, counts, sm_scale, format=format,
+                                               implementation=implementation, interpret=interpret)
     return bridge.to_torch(out, name="out"), bridge.to_torch(lse, name="lse")

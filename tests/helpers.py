@@ -1,4 +1,5 @@
 """Random inputs, comparisons and worker processes shared by the tests."""
+import dataclasses
 import os
 import re
 import socket
@@ -170,6 +171,15 @@ def edge_case_kv():
     k_pe[0, :4] = [finfo.max, -finfo.max, finfo.smallest_subnormal, np.nan]
     k_pe[1, :2] = [np.inf, -0.0]
     return kv_bf16, k_pe
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    """What the kernel selection reads of a device: its kind (the measured table's key), platform
+    and compute capability."""
+    device_kind: str = "no measured table"
+    platform: str = "gpu"
+    compute_capability: str = "9.0"
 
 
 def mesh_of(d):

@@ -1,6 +1,5 @@
 """Sparse-MLA attention over native records: every implementation against a float64 numpy oracle
 (over the oracle's own record decode), its NaN and hole rules, its checks, its bounded memory."""
-import dataclasses
 import math
 
 import jax
@@ -11,6 +10,7 @@ import pytest
 
 import ckv_jax
 import oracle
+from helpers import FakeDevice
 from ckv_jax import formats, sparse_mla
 from pallas_kernels import sparse_mla_attention as attention_op
 from pallas_kernels.sparse_mla_attention import AttentionTiles, MosaicAttentionTiles, pallas_triton, reference
@@ -260,25 +260,16 @@ def test_the_xla_implementation_bounds_its_temporaries():
     assert temp <= 4 * 2 ** 30, f"{temp / 2 ** 30:.1f} GiB of temporaries"
 
 
-@dataclasses.dataclass(frozen=True)
-class FakeDevice:
-    """What the selection reads of a device: platform, compute capability and kind (one without a
-    measured table, so the default order decides)."""
-    platform: str
-    compute_capability: str = ""
-    device_kind: str = "no measured table"
-
-
 @pytest.mark.parametrize("device, name, records_bytes, interpret, chosen", [
-    (FakeDevice("gpu", "9.0"), "fp8_ds_mla", 1 << 30, False, "pallas_triton"),
-    (FakeDevice("gpu", "9.0"), "nvfp4_ds_mla", 1 << 30, False, "pallas_triton"),
+    (FakeDevice(), "fp8_ds_mla", 1 << 30, False, "pallas_triton"),
+    (FakeDevice(), "nvfp4_ds_mla", 1 << 30, False, "pallas_triton"),
     # Triton cannot address a u8 buffer of 2-4 GiB: the Mosaic GPU kernel where it reads the records
-    (FakeDevice("gpu", "9.0"), "fp8_ds_mla", 3 << 30, False, "pallas_mosaic_gpu"),
-    (FakeDevice("gpu", "9.0"), "bf16", 3 << 30, False, "xla"),
-    (FakeDevice("gpu", "8.0"), "fp8_ds_mla", 3 << 30, False, "xla"),
-    (FakeDevice("gpu", "9.0"), "fp8_ds_mla", 5 << 30, False, "pallas_triton"),
-    (FakeDevice("cpu"), "fp8_ds_mla", 1 << 30, False, "xla"),
-    (FakeDevice("cpu"), "fp8_ds_mla", 1 << 20, True, "pallas_triton"),
+    (FakeDevice(), "fp8_ds_mla", 3 << 30, False, "pallas_mosaic_gpu"),
+    (FakeDevice(), "bf16", 3 << 30, False, "xla"),
+    (FakeDevice(compute_capability="8.0"), "fp8_ds_mla", 3 << 30, False, "xla"),
+    (FakeDevice(), "fp8_ds_mla", 5 << 30, False, "pallas_triton"),
+    (FakeDevice(platform="cpu"), "fp8_ds_mla", 1 << 30, False, "xla"),
+    (FakeDevice(platform="cpu"), "fp8_ds_mla", 1 << 20, True, "pallas_triton"),
 ])
 def test_the_automatic_choice_is_a_kernel_where_one_runs_compiled(device, name, records_bytes, interpret, chosen):
     fmt = formats.get(name)

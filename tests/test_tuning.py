@@ -19,15 +19,10 @@ from pallas_kernels.sparse_mla_attention import AttentionTiles
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
 import tune  # noqa: E402  (a maintainer tool, not installed)
+from helpers import FakeDevice  # noqa: E402
 
 OPS = {op.name: op for op in (paged_gather.GATHER_RECORDS, paged_gather.GATHER_DEQUANT, paged_gather.GATHER_SLOTS,
                               cache_writer.WRITE_RECORDS, sparse_mla_attention.SPARSE_MLA_ATTENTION)}
-
-
-@dataclasses.dataclass(frozen=True)
-class FakeDevice:
-    """Only what `tuning.lookup` reads: a device kind."""
-    device_kind: str
 
 
 @pytest.fixture

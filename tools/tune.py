@@ -39,7 +39,7 @@ from pallas_kernels import cache_writer, compat, paged_gather, sparse_mla_attent
 from pallas_kernels.cache_writer import WriterTiles
 from pallas_kernels.paged_gather import GatherTiles
 from pallas_kernels.sparse_mla_attention import AttentionTiles, MosaicAttentionTiles
-from pallas_kernels.sparse_mla_attention.api import mosaic_reads
+from pallas_kernels.sparse_mla_attention.api import reading
 
 BLOCK = 64
 MIN_CACHE_BYTES = 512 * 2 ** 20
@@ -271,7 +271,9 @@ def sweep_attention(names, log, results):
             reference = sparse_mla_attention.attention_blocked(inputs[0][0], records, *inputs[0][1:], 576 ** -0.5,
                                                                layout=fmt.layout)
             variants = [("pallas_triton", cfg) for cfg in ATTENTION_CONFIGS]
-            if mosaic_reads(fmt.layout) and compat.on_gpu():
+            mosaic = sparse_mla_attention.SPARSE_MLA_ATTENTION.implementation("pallas_mosaic_gpu")
+            if "pallas_mosaic_gpu" in reading(fmt.layout) and mosaic.supported_on(jax.devices()[0], records.size,
+                                                                                  False)[0]:
                 variants += [("pallas_mosaic_gpu", cfg) for cfg in MOSAIC_ATTENTION_CONFIGS]
             for impl, cfg in variants:
                 def op(q, indices, counts, impl=impl, cfg=cfg):

@@ -19,7 +19,7 @@ from ckv_jax import formats
 from ckv_jax.benchmarks import report
 from ckv_jax.benchmarks.timing import measure_pure
 from pallas_kernels.sparse_mla_attention import SPARSE_MLA_ATTENTION, flops, sparse_mla_attention
-from pallas_kernels.sparse_mla_attention.api import mosaic_reads
+from pallas_kernels.sparse_mla_attention.api import reading
 
 REPEATS = 3
 
@@ -87,8 +87,8 @@ def run(heads_list, names, tokens: int, top_k: int, rows: int, log=print, interp
             reference = sparse_mla_attention(inputs[0][0], records, *inputs[0][1:], 576 ** -0.5, layout=fmt.layout,
                                              implementation="xla")
             for impl in SPARSE_MLA_ATTENTION.default_order:
-                if impl == "pallas_mosaic_gpu" and not mosaic_reads(fmt.layout):
-                    continue                                  # it reads fp8_ds_mla records only
+                if impl not in reading(fmt.layout):
+                    continue
                 mode = report.run_mode(SPARSE_MLA_ATTENTION, impl, device, records.size, interpret, log)
                 if mode is None:
                     continue

@@ -24,14 +24,14 @@ from pallas_kernels.sparse_mla_attention.pallas_triton import AttentionTiles
 from pallas_kernels.sparse_mla_attention.reference import attention_blocked
 
 DEFAULT_ORDER = ("pallas_triton", "pallas_mosaic_gpu", "xla")
-MOSAIC_FORMAT = "fp8_tiles"          # the one record layout the Mosaic GPU kernel reads (fp8_ds_mla's bytes)
 
 
-def mosaic_reads(layout: RecordLayout) -> bool:
-    """Whether `layout` is the fp8_ds_mla record the Mosaic GPU kernel is built for, byte for byte."""
-    segments = [(seg.name, seg.offset, seg.width) for seg in layout.segments]
-    return layout.kind == MOSAIC_FORMAT and layout.record_bytes == pallas_mosaic_gpu.RECORD_BYTES and segments == [
-        ("nope_e4m3", 0, 512), ("tile_scales_f32", 512, 16), ("rope_bf16", 528, 128)]
+def reading(layout: RecordLayout) -> tuple[str, ...]:
+    """The implementations that read records of `layout` (the Mosaic GPU kernel: fp8_ds_mla's
+    bytes only); the others are left out of the automatic order."""
+    if layout == pallas_mosaic_gpu.LAYOUT:
+        return SPARSE_MLA_ATTENTION.names
+    return tuple(name for name in SPARSE_MLA_ATTENTION.names if name != "pallas_mosaic_gpu")
 
 
 def _run_triton(q, records, indices, counts, sm_scale, *, layout, out_dtype, interpret=False, config=None):
@@ -43,7 +43,7 @@ def _run_triton(q, records, indices, counts, sm_scale, *, layout, out_dtype, int
 
 
 def _run_mosaic(q, records, indices, counts, sm_scale, *, layout, out_dtype, interpret=False, config=None):
-    if not mosaic_reads(layout):
+    if layout != pallas_mosaic_gpu.LAYOUT:
         raise ValueError(f"implementation: pallas_mosaic_gpu reads fp8_ds_mla records only, got records of "
                          f"layout {layout.kind} ({layout.record_bytes} bytes); use pallas_triton or xla")
     if config is not None and not isinstance(config, MosaicAttentionTiles):
@@ -92,6 +92,6 @@ def select(implementation: str | Sequence[str] | None, device: jax.Device, layou
     """The implementation (and tiles) `sparse_mla_attention` runs for these records and this
     shape on `device`; the Mosaic GPU kernel is left out of the automatic order for records it
     does not read."""
-    skip = () if mosaic_reads(layout) else ("pallas_mosaic_gpu",)
+    skip = tuple(name for name in SPARSE_MLA_ATTENTION.names if name not in reading(layout))
     return SPARSE_MLA_ATTENTION.select(implementation, device, records_bytes, flops(num_tokens, num_heads, top_k, layout),
                                        interpret=interpret, config=config, skip=skip)

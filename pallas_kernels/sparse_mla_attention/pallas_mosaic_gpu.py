@@ -49,12 +49,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import compat, selection
+from pallas_kernels.record_layout import RecordLayout
 
 HEADS_PER_CTA = 64          # the wgmma's M
 PART = 128                  # NoPE columns per part (one fp8 scale tile)
 NUM_PARTS = 4
 NOPE_DIM, ROPE_DIM = 512, 64
-RECORD_BYTES = 656          # fp8_ds_mla: e4m3 NoPE [0, 512), four f32 tile scales [512, 528), bf16 RoPE [528, 656)
+# fp8_ds_mla, the one record the kernel reads: e4m3 NoPE [0, 512), four f32 tile scales
+# [512, 528), bf16 RoPE [528, 656)
+LAYOUT = RecordLayout("fp8_tiles", nope_dim=NOPE_DIM, rope_dim=ROPE_DIM, quant_block=PART)
+RECORD_BYTES = LAYOUT.record_bytes
 MAX_TOP_K = 4096            # a token's index row lives in SMEM beside the ~200 KB of tiles
 WARPS_PER_WARPGROUP = 4
 COPIES_PER_ROW = 3          # the NoPE bytes, the 128 bytes from the scales on, the RoPE
