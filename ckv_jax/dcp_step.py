@@ -293,20 +293,26 @@ def patch_program(workspace, kv_c, k_pe, rows, after=None, *, layout: RecordLayo
 
 
 def signal_when_ready(arrays: tuple, signal, *, platform: str) -> tuple:
-    """`arrays`, unchanged, after a host callback that calls `signal(stream)` once they are
-    ready: `stream` is the handle (an int) of the GPU stream the program runs on (None on other
-    platforms).  On a GPU the callback runs on the host thread that dispatches the program, while
-    its kernels are being enqueued, after the kernels that produce `arrays` and before every
-    kernel that reads what it returns: an event that `signal` records on `stream` marks exactly
-    that point.
+    """`arrays`, unchanged, after `signal` ran at the point where they are ready.
 
-    The arrays go through the callback as aliased operands: a true data dependency, which XLA's
+    signal: a callable, called as `signal(stream)` from a host callback, `stream` being the
+    handle (an int) of the GPU stream the program runs on (None on other platforms); or an
+    object with a method `in_program(arrays, platform=)` that emits its own operation with the
+    same contract (a native custom call: no Python call per dispatch) and returns the arrays.
+    On a GPU either runs on the host thread that dispatches the program, while its kernels are
+    being enqueued, after the kernels that produce `arrays` and before every kernel that reads
+    what it returns: what it enqueues on `stream` (an event record, a wait) lands exactly there.
+
+    The arrays go through the call as aliased operands: a true data dependency, which XLA's
     scheduler keeps (it drops an optimization barrier's order).  A buffer the program owns (its
     own result, a donated parameter) passes without a copy; any other parameter is copied first,
     so pass only small ones of that kind.  The program must use what returns, or XLA removes the
-    callback (marked as a side effect instead, it would cost every call jax's slow Python
-    dispatch path).
+    call (marked as a side effect instead, it would cost every call jax's slow Python dispatch
+    path).
     """
+    in_program = getattr(signal, "in_program", None)
+    if in_program is not None:
+        return tuple(in_program(tuple(arrays), platform=platform))
     from jax.experimental.buffer_callback import buffer_callback     # jax's semi-private GPU stream access
 
     def call(ctx, outs, *args):

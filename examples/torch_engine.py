@@ -110,8 +110,8 @@ def run(args) -> int:
             kv_c, k_pe = adapter.chunk_buffers()          # the latents go where the patch reads them: no copy
             kv_c.copy_(kv[:, :512])
             k_pe.copy_(kv[:, 512:])
+            adapter.set_current_chunk(kv_c, k_pe)          # before the cache write: the patch runs beside it
             torch_records.write(caches[layer], torch_records.encode(fmt.name, kv_c, k_pe), slots)
-            adapter.set_current_chunk(kv_c, k_pe)
             ws = adapter.gather(layer, caches[layer])
             if args.attention == "torch":
                 out = torch_attention(q.float(), ws[:adapter.rows], idx, cnt, sm_scale, fmt.name).to(torch.bfloat16)

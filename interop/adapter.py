@@ -8,8 +8,9 @@ of one `jax.distributed` run, whose mesh axis `dcp` spans one device per process
     if adapter.begin_step(seq_lens_cpu, query_lens_cpu, block_table):        # per step
         for layer in range(L):
             kv_c, k_pe = adapter.chunk_buffers()                             # bf16 [T, 512], [T, 64]
-            ...the engine writes the layer's latents into them, and the chunk into kv_caches[layer]...
+            ...the engine writes the layer's latents into them...
             adapter.set_current_chunk(kv_c, k_pe)                            # (other tensors: copied)
+            ...and the chunk into kv_caches[layer]...
             ws = adapter.gather(layer, kv_caches[layer])                     # torch u8[D * C, R]
             ...attention over ws[:adapter.rows] with adapter.remap_topk(topk)...
     else: ...the stock path...
@@ -25,11 +26,13 @@ while torch computes layer L.  Two ordering protocols, chosen once (`ordering`):
   or torch copies other tensors into.  `begin_step` dispatches the gathers of the first layers
   (`depth` of them, at most two; JAX's stream first waits on torch's, for the caches' last
   writes).  Per call: JAX's stream waits on an event of torch's current stream (so JAX
-  runs after torch's cache writes, the chunk copy and torch's reads of a slot it reuses); one
-  program patches (or gathers) the layer's slot, records an event on JAX's stream from inside
-  the program (`dcp_step.signal_when_ready`), then gathers the later layers; torch's stream
-  waits on that event, so torch never waits for the prefetches.  No import, export or host
-  synchronization per layer; one dispatch.
+  runs after torch's cache writes, the chunk copy and torch's reads of a slot it reuses; a
+  patch of latents in the chunk buffers waits only for the point `set_current_chunk` marked,
+  so it runs beside the cache write); one program patches (or gathers) the layer's slot,
+  records an event on JAX's stream from inside the program (`dcp_step.signal_when_ready`, in
+  native code where it can be built), makes JAX's stream wait for torch's point of the call,
+  then gathers the later layers; torch's stream waits on that event, so torch never waits for
+  the prefetches.  No import, export or host synchronization per layer; one dispatch.
 * ``"dlpack"`` (CPU tensors, or when the stream hand-off is unavailable, logged): each call
   imports the chunk's latents from torch's current stream and every JAX computation of the call
   takes them as an input; the workspace is exported (torch's stream waits for it) before the
@@ -80,12 +83,13 @@ class TorchWorkspacePool(WorkspacePool):
         super().__init__(mesh, plan, world_size, record_bytes, allocate=allocate)
         self._tensors = [tensors[lane * plan.slots:(lane + 1) * plan.slots] for lane in range(plan.lanes)]
         self._by_pointer = {t.data_ptr(): t for t in tensors}
-        # the pool's own references to each slot's storage; any more are views held elsewhere
-        self._own_refs = {t.data_ptr(): stream_handoff.storage_use_count(t) for t in tensors}
+        # each slot's storage, held (one reference), and the pool's own references to it: any
+        # more are views held elsewhere
+        self._storages = [[t.untyped_storage() for t in lane] for lane in self._tensors]
+        self._own_refs = [[stream_handoff.storage_use_count(s) for s in lane] for lane in self._storages]
 
     def check_writable(self, lane: int, index: int):
-        t = self._tensors[lane][index]
-        if stream_handoff.storage_use_count(t) > self._own_refs[t.data_ptr()]:
+        if stream_handoff.storage_use_count(self._storages[lane][index]) > self._own_refs[lane][index]:
             raise slot_still_referenced(index)
 
     def tensor_of(self, workspace: jax.Array) -> torch.Tensor:
@@ -103,12 +107,14 @@ class TorchCkvAdapter:
     None picks "cuda-events" where it is available.  `prefetch_programs`: None or 0 packs a
     prefetch with the full grid of a synchronous gather (best beside compute that fills every SM);
     n > 0 with n persistent programs (`ckv_jax.dcp_step.bounded_pack_tiles`; about half the SMs is best
-    beside compute that leaves SMs idle)."""
+    beside compute that leaves SMs idle).  `native_signal=False` keeps the cuda-events ordering's
+    in-program signal a Python callback instead of the native custom call (to compare them)."""
 
     def __init__(self, *, world_size: int, format: str, max_num_seqs: int, config: GatherConfig,
                  interleave: int = 1, block_size: int = 64, mesh: jax.sharding.Mesh | None = None,
                  ubatches: int = 1, speculative: bool = False, implementation=None, interpret: bool = False,
-                 min_world_size: int = 2, ordering: str | None = None, prefetch_programs: int | None = None):
+                 min_world_size: int = 2, ordering: str | None = None, prefetch_programs: int | None = None,
+                 native_signal: bool = True):
         bridge.check_not_capturing("TorchCkvAdapter")
         if not config.enabled:
             raise ValueError("config: the full-CKV gather is disabled (GatherConfig.enabled / CKV_JAX_GATHER)")
@@ -129,7 +135,7 @@ class TorchCkvAdapter:
         self.config = config
         self.max_num_seqs = max_num_seqs
         self.min_world_size = min_world_size
-        self.events = self._stream_events(ordering)
+        self.events = self._stream_events(ordering, native_signal)
         self.ordering = self.events.name if self.events else "dlpack"
         pool = {}
         if self.events:
@@ -142,12 +148,13 @@ class TorchCkvAdapter:
         self.plan = None
         self._caches: dict = {}            # (lane, layer) -> (data_ptr, shape, global cache array, tensor)
         self._chunk = None
+        self._chunk_marked = False         # cuda-events: the chunk is in the chunk buffers, marked final
         self._chunk_rows = 0               # cuda-events: rows of the persistent chunk buffers
         self._chunk_buffers: dict = {}     # cuda-events: (dtype, width) -> (torch buffer, its JAX array)
         self._chunk_views: dict = {}       # cuda-events: (dtype, width) -> this step's rows of that buffer
         self._keepalive: list = []         # torch tensors JAX may still read this step
 
-    def _stream_events(self, ordering):
+    def _stream_events(self, ordering, native_signal):
         if ordering == "dlpack" or self.device.platform != "gpu" or not torch.cuda.is_available():
             if ordering == "cuda-events":
                 raise ValueError(f"ordering: 'cuda-events' needs a CUDA device, got JAX's {self.device}")
@@ -159,7 +166,7 @@ class TorchCkvAdapter:
             log.warning("torch<->JAX ordering falls back to DLPack imports and exports per layer "
                         "(host-bound, no prefetch overlap): %s", found.why)
             return None
-        return stream_handoff.StreamEvents(self.torch_device, found.stream)
+        return stream_handoff.StreamEvents(self.torch_device, found.stream, native=native_signal)
 
     # -- planning --------------------------------------------------------------------------------
     @property
@@ -228,19 +235,34 @@ class TorchCkvAdapter:
     def set_current_chunk(self, kv_c: torch.Tensor, k_pe: torch.Tensor):
         """The current chunk's latents of all T tokens of the step (every rank holds them all),
         for the patch of the next `gather`: kv_c [T, nope_dim] (bf16, f16 or f32) and k_pe
-        bf16[T, rope_dim] on this GPU.  Checked now; read by `gather` (so torch may keep writing
-        them until then).  With the cuda-events ordering the latents the engine wrote into
-        `chunk_buffers()` are taken as they are; any other tensors, of any strides (vLLM's split
-        views of one [T, 576] projection), are copied by torch into those buffers.  The DLPack
-        path imports them and needs them compact."""
+        bf16[T, rope_dim] on this GPU.  Call it once torch's stream has written them and before
+        the layer's cache write: a prefetched layer's patch reads nothing else, so it then runs
+        beside the cache write instead of after it.
+
+        With the cuda-events ordering, latents the engine wrote into `chunk_buffers()` are taken
+        as they are and are final from this call on (torch must not write them again before the
+        `gather`); any other tensors, of any strides (vLLM's split views of one [T, 576]
+        projection), are checked now and copied into those buffers by `gather`, where the patch
+        then starts after the cache write.  The DLPack path imports them in `gather` and needs
+        them compact."""
         self._require_step("set_current_chunk")
         if self.events is None:
             bridge.check_tensor("kv_c", kv_c, self.device)
             bridge.check_tensor("k_pe", k_pe, self.device)
-        else:
+            self._chunk = (kv_c, k_pe)
+            return
+        self._chunk = (kv_c, k_pe)
+        # the very tensors chunk_buffers() returned need no check (the common case, every layer)
+        views = self._chunk_views
+        if not (kv_c is views.get((kv_c.dtype, self.fmt.nope_dim)) and
+                k_pe is views.get((torch.bfloat16, self.fmt.rope_dim))):
             _check_copied("kv_c", kv_c, KV_C_DTYPES, self.torch_device)
             _check_copied("k_pe", k_pe, (torch.bfloat16,), self.torch_device)
-        self._chunk = (kv_c, k_pe)
+            if not (self._in_chunk_buffers(kv_c) and self._in_chunk_buffers(k_pe)):
+                self._chunk_marked = False
+                return
+        self._chunk_marked = True
+        self.events.mark_latents(self.events.torch_stream())
 
     def gather(self, layer_idx: int | None, kv_cache: torch.Tensor, *, lane="target",
                after: torch.cuda.Event | torch.cuda.Stream | None = None) -> torch.Tensor:
@@ -260,11 +282,14 @@ class TorchCkvAdapter:
         if self.events is None:
             return self._gather_dlpack(layer_idx, lane, cache, chunk)
         stream = self.events.torch_stream()
-        kv_c, k_pe = self._chunk_on_device(chunk) if self.orch.is_pending(layer_idx, lane) else (None, None)
-        self.events.jax_after_torch(stream)     # after the cache write, the chunk copy, reads of reused slots
+        patch = self.orch.is_pending(layer_idx, lane)
+        kv_c, k_pe = self._chunk_on_device(chunk) if patch else (None, None)
+        # after the cache write, the chunk copy and torch's reads of reused slots; a patch of
+        # latents marked final only after that mark (its prefetches wait for the rest in-program)
+        self.events.jax_after_torch(stream, latents_only=patch and self._chunk_marked)
         ws = self.orch.gather(layer_idx, cache, kv_c, k_pe, key=lane, signal=self.events.signal)
         self.events.torch_after_signal(stream)  # torch waits for this layer's slot, not for the prefetches
-        return self.orch.pool.tensor_of(ws)[:]
+        return self.orch.pool.tensor_of(ws).detach()    # a view: the slot's reuse check counts it
 
     def _gather_dlpack(self, layer_idx, lane, cache, chunk):
         # imported now, after the engine's cache write: every computation of this call takes kv_c
@@ -281,17 +306,24 @@ class TorchCkvAdapter:
         """cuda-events: the chunk in the first T rows of the persistent buffers (copied there on
         torch's stream unless the engine wrote it there, `chunk_buffers`); returns their JAX
         arrays (all rows: the step's `chunk_rows` mark the rows past T as padding)."""
+        if self._chunk_marked:           # set_current_chunk found them in the buffers' rows of this step
+            return [self._chunk_buffers[(t.dtype, t.shape[1])][1] for t in chunk]
         out = []
         rows = self.plan.num_tokens
         for name, t in zip(("kv_c", "k_pe"), chunk):
             if t.dim() != 2 or t.shape[0] != rows:
                 raise ValueError(f"{name}: expected [{rows}, width] (the step's query tokens), "
                                  f"got {t.dtype}{list(t.shape)}")
-            view = self._chunk_view(t.dtype, t.shape[1])
-            if not (t.data_ptr() == view.data_ptr() and t.stride() == view.stride()):
-                view.copy_(t)
+            if not self._in_chunk_buffers(t):
+                self._chunk_view(t.dtype, t.shape[1]).copy_(t)
             out.append(self._chunk_buffers[(t.dtype, t.shape[1])][1])
         return out
+
+    def _in_chunk_buffers(self, t: torch.Tensor) -> bool:
+        """Whether `t` is this step's rows of a persistent chunk buffer (`chunk_buffers`)."""
+        view = self._chunk_views.get((t.dtype, t.shape[1])) if t.dim() == 2 else None
+        return view is not None and t.data_ptr() == view.data_ptr() and t.shape == view.shape \
+            and t.stride() == view.stride()
 
     def _chunk_view(self, dtype: torch.dtype, width: int) -> torch.Tensor:
         """This step's first T rows of the persistent [rows, width] buffer of `dtype`; the buffer is

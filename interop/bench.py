@@ -1,8 +1,9 @@
 """`python -m interop.bench`: how much of the gather the torch adapter's prefetch hides, on a GPU.
 
 One request of H history tokens plus a C-token chunk, D = 1, fp8_ds_mla, L layers.  Per layer
-torch computes X ms, writes the chunk into the layer's paged cache, calls `set_current_chunk` +
-`gather`, and reads the workspace (a one-row consumer that orders after it).  The chunk's
+torch computes X ms, calls `set_current_chunk` (the latents are final), writes the chunk into the
+layer's paged cache, calls `gather`, and reads the workspace (a one-row consumer that orders
+after it).  The chunk's
 latents come in the adapter's `chunk_buffers` (`--latents in-place`: the engine's projection
 writes them there, so the step's first fill is untimed and no layer copies them) or as the
 engine's own tensors, which the adapter copies per layer (`--latents copied`).  Two kinds of
@@ -53,8 +54,10 @@ class Workload:
     """The torch engine's side of one step: caches, table, chunk latents and device slots."""
 
     def __init__(self, history: int, chunk: int, layers: int, block_size: int = 64, seed: int = 0,
-                 chunk_in_place: bool = True):
+                 chunk_in_place: bool = True, mark_before_write: bool = True, native_signal: bool = True):
         self.chunk_in_place = chunk_in_place
+        self.mark_before_write = mark_before_write
+        self.native_signal = native_signal
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.layout = DcpLayout(1, 1, block_size)
         context = history + chunk
@@ -78,7 +81,9 @@ class Workload:
         return interop.TorchCkvAdapter(
             world_size=1, format=FMT.name, max_num_seqs=1, block_size=self.layout.block_size, min_world_size=1,
             config=GatherConfig(enabled=True, depth=depth, workspace_mib=0, min_tokens=1,
-                                max_tokens=int(self.seq[0])), prefetch_programs=prefetch_programs)
+                                max_tokens=int(self.seq[0])), prefetch_programs=prefetch_programs,
+            # only when asked: an adapter older than the option (adapter_trace --code) runs too
+            **({} if self.native_signal else dict(native_signal=False)))
 
     def write(self, layer: int):
         self.caches[layer].view(-1, FMT.record_bytes).index_copy_(0, self.slots, self.records)
@@ -105,18 +110,24 @@ class Workload:
         for layer, cache in enumerate(self.caches):
             if compute is not None:
                 compute()
-            self.write(layer)
             if adapter is None:
+                self.write(layer)
                 self.stand_in[:1].sum()                   # the consumer's own kernels, over no workspace
                 continue
             if jax_events is not None:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(adapter.events.jax_stream)
+            if not self.mark_before_write:
+                self.write(layer)
             t0 = time.perf_counter()
-            adapter.set_current_chunk(*self.latents)
+            adapter.set_current_chunk(*self.latents)     # the latents are final
+            t1 = time.perf_counter()
+            if self.mark_before_write:
+                self.write(layer)
+            t2 = time.perf_counter()
             ws = adapter.gather(layer, cache)
             if host is not None:
-                host.append(time.perf_counter() - t0)
+                host.append(t1 - t0 + time.perf_counter() - t2)
             if jax_events is not None:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record(adapter.events.jax_stream)
@@ -259,11 +270,12 @@ def _interleaved(work: Workload, adapters: dict, depths, compute, trials: int, w
 
 
 def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, prefetch_programs=None,
-        chunk_in_place=True) -> list[dict]:
+        chunk_in_place=True, mark_before_write=True, native_signal=True) -> list[dict]:
     rows = []
     computes = {x: compute_kernels(x) for x in compute_ms}
     for history in histories:
-        work = Workload(history, chunk, layers, chunk_in_place=chunk_in_place)
+        work = Workload(history, chunk, layers, chunk_in_place=chunk_in_place, mark_before_write=mark_before_write,
+                        native_signal=native_signal)
         adapters = {d: work.adapter(d, prefetch_programs) for d in depths}
         base = adapters[min(depths)]
         gather_ms = _jax_ms_per_layer(work, base, trials)
@@ -282,6 +294,8 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
                                 compute_kind=kind, torch_stream=stream_kind, depth=depth, history=history,
                                 chunk=chunk, layers=layers, ordering=adapters[depth].ordering,
                                 chunk_latents="in-place" if chunk_in_place else "copied",
+                                latents_marked="before-write" if mark_before_write else "after-write",
+                                signal=_signal_kind(adapters[depth]),
                                 prefetch_tiles=str(adapters[depth].orch.prefetch_tiles),
                                 compute_ms_per_layer=x_ms, gather_ms_per_layer=gather_ms,
                                 compute_only_ms=statistics.median(compute_only), step_ms=by_depth[depth],
@@ -311,6 +325,12 @@ def _line(rows) -> str:
             f"{r0['gather_ms_per_layer']:9.3f} {r0['compute_only_ms']:10.2f} {cells}")
 
 
+def _signal_kind(adapter) -> str:
+    if adapter.events is None:
+        return "export"
+    return "native" if adapter.events.signal.native else "callback"
+
+
 def _ints(text):
     return [int(v) for v in text.split(",")]
 
@@ -335,6 +355,12 @@ def main(argv=None) -> int:
     ap.add_argument("--latents", choices=["in-place", "copied"], default="in-place",
                     help="latents written into the adapter's chunk buffers, or copied there per layer "
                          "(default %(default)s)")
+    ap.add_argument("--mark", choices=["before-write", "after-write"], default="before-write",
+                    help="where the engine calls set_current_chunk: before the layer's cache write (the "
+                         "patch runs beside it) or after it (default %(default)s)")
+    ap.add_argument("--signal", choices=["native", "callback"], default="native",
+                    help="the layer program's in-program signal: the native custom call, or the Python "
+                         "callback (default %(default)s)")
     ap.add_argument("--out", default="interop.json", help="JSON results (default %(default)s)")
     args = ap.parse_args(argv)
     if not (torch.cuda.is_available() and jax.default_backend() == "gpu"):
@@ -355,7 +381,8 @@ def main(argv=None) -> int:
         f"{p['tiles']}: {p['us']:.1f} us ({p['gbps']:.0f} GB/s)" for p in pack), flush=True)
     print(HEADER, flush=True)
     rows = run(args.histories, args.chunk, args.layers, args.depths, args.compute_ms, args.kinds, args.streams,
-               args.trials, args.prefetch_programs, args.latents == "in-place")
+               args.trials, args.prefetch_programs, args.latents == "in-place", args.mark == "before-write",
+               args.signal == "native")
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), jax=jax.__version__, torch=torch.__version__,
                        command="python -m interop.bench " + " ".join(argv if argv is not None else sys.argv[1:]),

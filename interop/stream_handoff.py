@@ -15,9 +15,11 @@ small programs with such a callback and accepts the handle only if
     its dispatch returns, so an event recorded on the stream right after a dispatch follows the
     whole program (XLA joins its side streams back into the compute stream at the end).
 
-With the handle, the per-layer ordering costs two event records and two waits
-(`StreamEvents`); the event torch waits on is recorded from inside the layer's program
-(`StreamSignal`), so the layer's work and its prefetches stay one dispatch.
+With the handle, the per-layer ordering costs a few event records and waits (`StreamEvents`);
+the event torch waits on is recorded from inside the layer's program (`StreamSignal`), so the
+layer's work and its prefetches stay one dispatch.  The in-program signal is native code
+(`interop.native_signal`, built on first use) where a C++ compiler is found, else the Python
+callback (logged).
 `storage_use_count` (torch) counts the views of a tensor's memory, so the adapter can refuse to
 overwrite a ring slot that a caller still holds.
 """
@@ -31,6 +33,8 @@ import threading
 import jax
 import jax.numpy as jnp
 import torch
+
+from interop import native_signal
 
 log = logging.getLogger("ckv_jax.interop")
 
@@ -95,26 +99,58 @@ def _probe(device: jax.Device) -> ProbeResult:
 
 
 class StreamEvents:
-    """Event ordering between torch's current stream and JAX's compute stream of one GPU."""
+    """Event ordering between torch's current stream and JAX's compute stream of one GPU.
+
+    Three torch events: `_torch_done` (torch's stream at the last hand-off to JAX: cache writes,
+    the chunk copy, reads of the slots a prefetch overwrites), `_latents_ready` (torch's stream
+    when the engine declared the chunk's latents final, `mark_latents`) and `_jax_done`; and the
+    in-program `signal`.  They are created (recorded once) here: the native signal bakes their
+    handles into the layer program."""
 
     name = "cuda-events"
 
-    def __init__(self, device: torch.device, jax_stream: int):
+    def __init__(self, device: torch.device, jax_stream: int, *, native: bool = True):
         self.device = device
         self._index = device.index            # an int: torch looks it up faster than a device
         self.jax_stream = torch.cuda.ExternalStream(jax_stream, device=device)
+        self._streams: dict = {}              # torch's current stream objects, by what identifies them
         self._torch_done = torch.cuda.Event()
+        self._latents_ready = torch.cuda.Event()
         self._jax_done = torch.cuda.Event()
-        self._signal = StreamSignal(self.jax_stream, jax_stream)
+        for event in (self._torch_done, self._latents_ready, self._jax_done):
+            event.record(self.torch_stream())
+        loaded = native_signal.load() if native else None
+        if loaded is not None and loaded.library is not None:
+            self._signal = NativeStreamSignal(self.jax_stream, jax_stream, then_wait=self._torch_done)
+        else:
+            if loaded is not None:
+                log.warning("the layer program signals torch through a Python callback (about 20-40 us more host "
+                            "time per layer): %s", loaded.why)
+            self._signal = StreamSignal(self.jax_stream, jax_stream, then_wait=self._torch_done)
 
     def torch_stream(self) -> torch.cuda.Stream:
-        """torch's current stream on this GPU."""
-        return torch.cuda.current_stream(self._index)
+        """torch's current stream on this GPU.  `torch.cuda.current_stream` builds a new Stream
+        object on every call; this asks torch for the stream's identity alone and keeps one
+        object per stream (about 10 us less a layer, which asks twice)."""
+        key = _current_stream_key(self._index)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        return stream
 
-    def jax_after_torch(self, torch_stream: torch.cuda.Stream):
-        """JAX work dispatched from now on runs after the work queued on `torch_stream` so far."""
+    def mark_latents(self, torch_stream: torch.cuda.Stream):
+        """The chunk's latents are final at this point of `torch_stream` (see `jax_after_torch`)."""
+        self._latents_ready.record(torch_stream)
+
+    def jax_after_torch(self, torch_stream: torch.cuda.Stream, *, latents_only: bool = False):
+        """JAX work dispatched from now on runs after the work queued on `torch_stream` so far;
+        with `latents_only`, only after the point `mark_latents` recorded.  That is for a program
+        whose own work reads nothing but the latents (the patch of a prefetched slot), so it runs
+        beside torch's cache write; what the program does after the signal (the prefetches, which
+        overwrite slots torch may still be reading) waits for the full point inside the program
+        (the signal's `then_wait`)."""
         self._torch_done.record(torch_stream)
-        self.jax_stream.wait_event(self._torch_done)
+        self.jax_stream.wait_event(self._latents_ready if latents_only else self._torch_done)
 
     def torch_after_jax(self, torch_stream: torch.cuda.Stream):
         """Work queued on `torch_stream` from now on runs after the JAX work dispatched so far."""
@@ -135,37 +171,70 @@ class StreamEvents:
 
 class StreamSignal:
     """Records its event on JAX's compute stream when a program calls it (through
-    `dcp_step.signal_when_ready`, on the dispatching thread).  Hashable by identity: a static
-    argument of the layer program, one compiled program per adapter.  `take` checks that exactly
-    one call happened since the last `take`, on the probed stream; anything else (an
-    asynchronous dispatch, another stream) raises instead of letting torch wait on a stale event."""
+    `dcp_step.signal_when_ready`, on the dispatching thread) and, called from a program, then
+    makes that stream wait on `then_wait`.  Hashable by identity: a static argument of the layer
+    program, one compiled program per adapter.  `take` checks that exactly one call happened
+    since the last `take`, on the probed stream; anything else (an asynchronous dispatch,
+    another stream) raises instead of letting torch wait on a stale event.
 
-    def __init__(self, jax_stream: torch.cuda.ExternalStream, handle: int):
+    This class is the Python form, which runs as a `buffer_callback`; `NativeStreamSignal` does
+    the same in native code.  Both count in `state` (calls, last stream handle, host uint64[2])."""
+
+    native = False
+
+    def __init__(self, jax_stream: torch.cuda.ExternalStream, handle: int, *, then_wait: torch.cuda.Event):
         self.event = torch.cuda.Event()
+        self.event.record(jax_stream)             # created now (its handle goes into programs)
         self._stream, self._handle = jax_stream, handle
-        self._calls = 0
-        self._wrong = None
+        self._then_wait = then_wait
+        self.state = native_signal.new_state()
 
     def __call__(self, stream):
         """From a program: `stream` is its stream.  From the host right after a dispatch (a call
         without prefetches): None, and the event marks the end of what JAX's stream holds."""
         if stream is not None and stream != self._handle:
-            self._wrong = stream
+            self.state[1] = stream
             return
         self.event.record(self._stream)
-        self._calls += 1
+        if stream is not None:
+            self._stream.wait_event(self._then_wait)
+        self.state[0] += 1
 
     def take(self):
-        calls, wrong = self._calls, self._wrong
-        self._calls, self._wrong = 0, None
-        if wrong is not None:
-            raise RuntimeError(f"the layer program ran on stream {wrong!r}, not on JAX's compute stream "
+        calls, stream = self.state
+        self.state[0] = self.state[1] = 0
+        if stream not in (0, self._handle):
+            raise RuntimeError(f"the layer program ran on stream {stream!r}, not on JAX's compute stream "
                                f"0x{self._handle:x} that the adapter orders against")
         if calls != 1:
             raise RuntimeError(f"the layer program signalled {calls} times during its dispatch, expected once: "
                                "JAX no longer enqueues a program on the dispatching thread")
 
 
-def storage_use_count(tensor: torch.Tensor) -> int:
-    """References to `tensor`'s storage held by tensors (every view counts one)."""
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+class NativeStreamSignal(StreamSignal):
+    """`StreamSignal` whose in-program form is `interop.native_signal`'s custom call: the event
+    record and the wait run in native code while XLA enqueues the program (no Python call)."""
+
+    native = True
+
+    def __init__(self, jax_stream: torch.cuda.ExternalStream, handle: int, *, then_wait: torch.cuda.Event):
+        super().__init__(jax_stream, handle, then_wait=then_wait)
+        self._record_fn, self._wait_fn = native_signal.driver_functions()
+
+    def in_program(self, arrays: tuple, *, platform: str) -> tuple:
+        """`dcp_step.signal_when_ready`'s hook: `arrays` through the native signal."""
+        return native_signal.call(arrays, platform=platform, record_fn=self._record_fn, wait_fn=self._wait_fn,
+                                  ready_event=self.event.cuda_event, then_wait=self._then_wait.cuda_event,
+                                  state=self.state)
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """References to `storage` (a tensor's `untyped_storage()`) held by tensors and storage
+    objects: every view of the memory counts one, and so does `storage` itself."""
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def _current_stream_key(index: int) -> tuple:
+    """(stream id, device index, device type) of torch's current stream on GPU `index`: what
+    `torch.cuda.current_stream` reads before it builds its Stream object."""
+    return torch._C._cuda_getCurrentStream(index)

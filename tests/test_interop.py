@@ -286,10 +286,12 @@ def test_the_stream_probe_refuses_what_it_cannot_vouch_for(monkeypatch):
 def test_storage_use_count_sees_every_view():
     from interop import stream_handoff
     slot = torch.zeros(64, 656, dtype=torch.uint8)
-    own = stream_handoff.storage_use_count(slot)
+    storage = slot.untyped_storage()
+    own = stream_handoff.storage_use_count(storage)
+    assert own == 2                                     # the tensor and the storage object
     view = slot[:]
     sub = view[:10]
     del view
-    assert stream_handoff.storage_use_count(slot) == own + 1, "a view of a view still pins the slot"
+    assert stream_handoff.storage_use_count(storage) == own + 1, "a view of a view still pins the slot"
     del sub
-    assert stream_handoff.storage_use_count(slot) == own
+    assert stream_handoff.storage_use_count(storage) == own

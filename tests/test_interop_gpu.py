@@ -64,10 +64,11 @@ def test_every_entry_raises_under_graph_capture():
     assert x.sum().item() == 16
 
 
-def _adapter(depth, ordering=None, layers=6):
+def _adapter(depth, ordering=None, layers=6, native_signal=True):
     return interop.TorchCkvAdapter(world_size=1, format="fp8_ds_mla", max_num_seqs=4, block_size=16,
                                    config=GatherConfig(enabled=True, depth=depth, workspace_mib=0, min_tokens=1,
-                                                       max_tokens=512), min_world_size=1, ordering=ordering)
+                                                       max_tokens=512), min_world_size=1, ordering=ordering,
+                                   native_signal=native_signal)
 
 
 @pytest.mark.parametrize("depth, ordering", [(d, "cuda-events") for d in range(4)] + [(0, "dlpack"), (2, "dlpack")])
@@ -80,33 +81,81 @@ def test_prefetch_stays_exact_while_torch_writes_and_churns(depth, ordering, str
     adapter = _adapter(depth, ordering, layers)
     assert adapter.ordering == ordering
     a = torch.randn(4096, 4096, device="cuda")
+    for torch_stream, plan, hist, q in _two_rounds_of_steps(engine, stream):
+        table = engine.block_table if stream == "default" else engine.block_table.cpu()   # both kinds
+        assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), table)
+        got, want = [], []
+        for layer in range(layers):
+            kv, pe = engine.chunk(plan.num_tokens)
+            for _ in range(4):
+                a = (a @ a).clamp_(-1, 1)             # ~1 ms of torch work before the write
+            junk = [torch.empty(1 << 20, device="cuda").fill_(7) for _ in range(8)]   # allocator churn
+            del junk
+            engine.write(layer, plan, kv, pe)
+            snapshot = engine.caches[layer].clone()
+            adapter.set_current_chunk(kv, pe)
+            ws = adapter.gather(layer, engine.caches[layer])
+            for _ in range(4):
+                a = (a @ a).clamp_(-1, 1)             # the read of ws lands long after the return
+            got.append(ws[:adapter.rows].clone())
+            want.append(snapshot)
+            del ws
+        torch_stream.synchronize()
+        for layer in range(layers):
+            np.testing.assert_array_equal(got[layer].cpu().numpy(), engine.gathered_now(want[layer], plan),
+                                          err_msg=f"depth {depth} {ordering} {stream} layer {layer}")
+    adapter.close()
+
+
+def _two_rounds_of_steps(engine, stream):
+    """(torch stream, plan, hist, q) for STEPS twice, run inside torch's `stream` ("default" or
+    "side"): the first round discovers the caches, the second prefetches."""
     torch_stream = torch.cuda.Stream() if stream == "side" else torch.cuda.default_stream()
     with torch.cuda.stream(torch_stream):
         for _ in range(2):
             for hist, q in STEPS:
-                plan = engine.plan(hist, q, min_world_size=1)
-                table = engine.block_table if stream == "default" else engine.block_table.cpu()   # both kinds
-                assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), table)
-                got, want = [], []
-                for layer in range(layers):
-                    kv, pe = engine.chunk(plan.num_tokens)
-                    for _ in range(4):
-                        a = (a @ a).clamp_(-1, 1)             # ~1 ms of torch work before the write
-                    junk = [torch.empty(1 << 20, device="cuda").fill_(7) for _ in range(8)]   # allocator churn
-                    del junk
-                    engine.write(layer, plan, kv, pe)
-                    snapshot = engine.caches[layer].clone()
-                    adapter.set_current_chunk(kv, pe)
-                    ws = adapter.gather(layer, engine.caches[layer])
-                    for _ in range(4):
-                        a = (a @ a).clamp_(-1, 1)             # the read of ws lands long after the return
-                    got.append(ws[:adapter.rows].clone())
-                    want.append(snapshot)
-                    del ws
-                torch_stream.synchronize()
-                for layer in range(layers):
-                    np.testing.assert_array_equal(got[layer].cpu().numpy(), engine.gathered_now(want[layer], plan),
-                                                  err_msg=f"depth {depth} {ordering} {stream} layer {layer}")
+                yield torch_stream, engine.plan(hist, q, min_world_size=1), hist, q
+
+
+@pytest.mark.parametrize("signal", ["native", "callback"])
+@pytest.mark.parametrize("depth", range(4))
+@pytest.mark.parametrize("stream", ["default", "side"])
+def test_latents_marked_before_the_cache_write_keep_every_order(depth, stream, signal):
+    """The engine writes its latents into `chunk_buffers()`, marks them (`set_current_chunk`),
+    then, behind long matmuls, reads the previous layer's workspace (whose slot this layer's
+    prefetch overwrites) and writes the layer's cache.  The patch may start at the mark; the
+    sync gathers (depth 0, the first step) must wait for the cache write and the prefetches for
+    the read: every workspace read stays exact, with the native signal and the Python one."""
+    layers = 5
+    engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
+    adapter = _adapter(depth, layers=layers, native_signal=signal == "native")
+    assert adapter.events.signal.native == (signal == "native")
+    a = torch.randn(4096, 4096, device="cuda")
+    for torch_stream, plan, hist, q in _two_rounds_of_steps(engine, stream):
+        assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu())
+        got, want, previous = [], [], None
+        for layer in range(layers):
+            kv, pe = engine.chunk(plan.num_tokens)
+            kv_c, k_pe = adapter.chunk_buffers()
+            kv_c.copy_(kv)
+            k_pe.copy_(pe)
+            adapter.set_current_chunk(kv_c, k_pe)
+            for _ in range(4):
+                a = (a @ a).clamp_(-1, 1)             # ~1 ms between the mark and the reads
+            if previous is not None:
+                got.append(previous[:adapter.rows].clone())
+                previous = None
+            engine.write(layer, plan, kv, pe)
+            want.append(engine.caches[layer].clone())
+            previous = adapter.gather(layer, engine.caches[layer])
+        got.append(previous[:adapter.rows].clone())
+        del previous
+        torch_stream.synchronize()
+        for layer in range(layers):
+            np.testing.assert_array_equal(got[layer].cpu().numpy(), engine.gathered_now(want[layer], plan),
+                                          err_msg=f"depth {depth} {stream} {signal} layer {layer}")
+    if depth:
+        assert {how for _, _, how, _ in adapter.orch.decisions[1:]} == {"prefetched"}
     adapter.close()
 
 
@@ -195,14 +244,17 @@ def test_latents_written_into_the_chunk_buffers_are_taken_without_a_copy():
 def test_the_event_path_is_on_and_uses_jax_compute_stream():
     """The overlap mechanism is really in use: the stream JAX's programs run on (as a
     buffer_callback sees it, in a program of this test) is the one the adapter orders against,
-    and the workspaces are the pool's torch memory, written in place."""
+    and the workspaces are the pool's torch memory, written in place; the signal is the native
+    one."""
     from jax.experimental.buffer_callback import buffer_callback
+    from interop import native_signal
     seen = []
     callback = buffer_callback(lambda ctx, out, x: seen.append(int(ctx.stream)),
                                jax.ShapeDtypeStruct((2,), jnp.float32), input_output_aliases={0: 0})
     jax.block_until_ready(jax.jit(lambda v: callback(v * 3))(jnp.ones((2,), jnp.float32)))
     adapter = _adapter(2)
     assert adapter.ordering == "cuda-events"
+    assert adapter.events.signal.native, native_signal.load().why      # the device has a C++ compiler
     assert adapter.events.jax_stream.cuda_stream == seen[0] != 0
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), 3, device="cuda")
     pool = {t.data_ptr() for ring in adapter.orch.pool._tensors for t in ring}
@@ -261,6 +313,19 @@ def test_without_the_private_api_the_adapter_falls_back_and_says_so(monkeypatch,
     assert "falls back to DLPack" in caplog.text and "buffer_callback unavailable" in caplog.text
     with pytest.raises(RuntimeError, match="'cuda-events' is unavailable: .*buffer_callback"):
         _adapter(1, ordering="cuda-events")
+
+
+def test_without_the_native_signal_the_python_callback_signals_and_says_so(monkeypatch, caplog):
+    from interop import native_signal
+    monkeypatch.setattr(native_signal, "load", lambda: native_signal.Loaded(None, "no C++ compiler (this test)"))
+    with caplog.at_level(logging.WARNING, logger="ckv_jax.interop"):
+        adapter = _adapter(1)
+    assert adapter.ordering == "cuda-events" and not adapter.events.signal.native
+    assert "through a Python callback" in caplog.text and "no C++ compiler (this test)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ckv_jax.interop"):
+        assert not _adapter(1, native_signal=False).events.signal.native
+    assert caplog.text == ""                             # asked for: nothing to warn about
 
 
 def test_the_gather_program_holds_no_copy_of_the_slot():

@@ -273,11 +273,38 @@ class CountingSignal:
         self.calls.append(stream)
 
 
-def test_a_signal_fires_once_per_layer_between_its_own_work_and_the_prefetches():
+class NativeCountingSignal:
+    """The same through the native signal's custom call (`interop.native_signal`; on the CPU its
+    handler only counts, in `state`): every in-program call shows as a None in `calls`."""
+
+    def __init__(self):
+        self.host_calls = []
+        from interop import native_signal
+        self.state = native_signal.new_state()
+
+    def __call__(self, stream):
+        self.host_calls.append(stream)
+
+    def in_program(self, arrays, *, platform):
+        from interop import native_signal
+        assert native_signal.load().library is not None, native_signal.load().why
+        return native_signal.call(arrays, platform=platform, record_fn=0, wait_fn=0, ready_event=0, then_wait=0,
+                                  state=self.state)
+
+    @property
+    def calls(self):
+        return self.host_calls + [None] * int(self.state[0])
+
+
+SIGNALS = {"callback": CountingSignal, "native": NativeCountingSignal}
+
+
+@pytest.mark.parametrize("kind", sorted(SIGNALS))
+def test_a_signal_fires_once_per_layer_between_its_own_work_and_the_prefetches(kind):
     """With a signal every call is one program that calls it once per device (no stream handle
     off a GPU), or, without prefetches, the host calls it once after the dispatch; the bytes
     are the synchronous ones."""
-    signal = CountingSignal()
+    signal = SIGNALS[kind]()
     engine = Engine(2, "fp8_ds_mla", depth=2)
     for s, (hist, q) in enumerate(STEPS):
         plan = build_step_plan(engine.layout, hist + q, q, max_num_seqs=4, min_tokens=1)
@@ -307,8 +334,9 @@ def _entry_instructions(hlo_text):
     return out
 
 
+@pytest.mark.parametrize("kind", sorted(SIGNALS))
 @pytest.mark.parametrize("d", [1, 2])
-def test_the_layer_program_signals_after_its_patch_and_before_its_prefetches(d):
+def test_the_layer_program_signals_after_its_patch_and_before_its_prefetches(d, kind):
     """In the compiled program the callback takes the patched slot and returns it, and every
     instruction that reads a prefetched layer's cache depends on the callback's output, so no
     schedule can move any part of a prefetch ahead of the signal; and no slot is copied (see
@@ -322,16 +350,17 @@ def test_the_layer_program_signals_after_its_patch_and_before_its_prefetches(d):
     kv, pe = jnp.ones((64, 512), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
     hlo = dcp_step.layer_program.lower(slots[0], None, kv, pe, arrays, (cache, cache), tuple(slots[1:]),
                                        mesh=mesh, layout=fmt.layout, implementation="xla",
-                                       signal=CountingSignal()).compile().as_text()
+                                       signal=SIGNALS[kind]()).compile().as_text()
     moved = copies_of_at_least(hlo, d * 1024 * 656)
     assert not [c for c in moved if "dynamic-update-slice" not in c], moved     # no copy of a slot
     assert len(moved) <= (0 if d == 1 else 2), moved     # D > 1: each all-gather's rows, at most once
     traced = jax.make_jaxpr(lambda *a: dcp_step.layer_program(*a, mesh=mesh, layout=fmt.layout,
-                                                              implementation="xla", signal=CountingSignal()))(
+                                                              implementation="xla", signal=SIGNALS[kind]()))(
         slots[0], None, kv, pe, arrays, (cache, cache), tuple(slots[1:]))
     assert not traced.effects        # an effect would cost every call jax's slow dispatch path
     ins = _entry_instructions(hlo)
-    callbacks = [n for n, (_, _, line) in ins.items() if "custom-call(" in line and "callback" in line]
+    target = "callback" if kind == "callback" else "ckv_host_signal"
+    callbacks = [n for n, (_, _, line) in ins.items() if "custom-call(" in line and target in line]
     assert len(callbacks) == 1, callbacks
     callback = callbacks[0]
 

@@ -99,7 +99,7 @@ def main():
     rows.append(("torch copy_ 4096x512", median_us(lambda: buf.copy_(work.kv))))
     rows.append(("is_pending+check_caches", median_us(
         lambda: (orch.is_pending(1), dcp_step.check_caches(orch.fmt, cache, orch._plan)))))
-    rows.append(("tensor_of+view", median_us(lambda: orch.pool.tensor_of(ring[1])[:])))
+    rows.append(("tensor_of+view", median_us(lambda: orch.pool.tensor_of(ring[1]).detach())))
     rows.append(("check_writable", median_us(lambda: orch.pool.check_writable(lane.lane, 1))))
     for name, us in rows:
         print(f"{name:<40} {us:8.1f} us")

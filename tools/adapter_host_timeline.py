@@ -2,7 +2,7 @@
 inside a dispatch: argument parsing, PJRT's execute, each thunk's launch, the in-program
 callback, the completion callback).
 
-    python tools/adapter_host_timeline.py [--history N] [--depth D] [--prefetch-programs P] > timeline.txt
+    python tools/adapter_host_timeline.py [--history N] [--depth D] [--prefetch-programs P] [--python] > out.txt
 
 Runs `interop.bench.Workload` (one request, D = 1, fp8_ds_mla, 8 layers, 4 ms of
 `torch.cuda._sleep` per layer on torch's default stream, so the host runs far ahead of the GPU),
@@ -11,7 +11,8 @@ the adapter's `set_current_chunk` and `gather` annotated.  Prints, per name, the
 traced layers of the time its events take inside one `gather` (an event counts in each of its
 parents of other names), then every event of two layers' `gather` with its offset, and the
 longer events of one `begin_step`.  The host tracer itself adds time to every event it records:
-compare pieces with each other, not with untraced timings.
+compare pieces with each other, not with untraced timings.  With --python: cProfile of the same
+layer calls instead (the Python functions by their own time per layer).
 """
 from __future__ import annotations
 
@@ -93,21 +94,69 @@ def summary(events, shown=(9, 10)) -> str:
     return "\n".join(table + lines)
 
 
+def python_profile(work: bench.Workload, adapter, compute, steps: int = 6, shown: int = 28) -> str:
+    """cProfile of the layer calls alone (`set_current_chunk` + `gather`, the bench's loop) over
+    `steps` steps: the Python functions by their own time, per layer (cProfile's own cost is in
+    every figure; compare them with each other)."""
+    import cProfile
+    import io
+    import pstats
+    for _ in range(3):
+        work.begin_step(adapter)
+        work.layers(adapter, compute)
+    torch.cuda.synchronize()
+    profile = cProfile.Profile()
+    calls = {name: getattr(adapter, name) for name in ("set_current_chunk", "gather")}
+
+    def profiled(fn):
+        def call(*args, **kwargs):
+            profile.enable()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                profile.disable()
+        return call
+    for name, fn in calls.items():
+        setattr(adapter, name, profiled(fn))
+    for _ in range(steps):                # each step drained: JAX's cap on programs in flight never waits
+        work.begin_step(adapter)
+        work.layers(adapter, compute)
+        torch.cuda.synchronize()
+    for name, fn in calls.items():
+        setattr(adapter, name, fn)
+    out = io.StringIO()
+    stats = pstats.Stats(profile, stream=out)
+    layers = steps * len(work.caches)
+    out.write(f"cProfile of set_current_chunk + gather, {layers} layers; tottime / cumtime in us per layer\n")
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:shown]
+    for (path, line, fn), (_, ncalls, tottime, cumtime, _) in rows:
+        where = f"{os.path.basename(path)}:{line}({fn})" if line else fn
+        out.write(f"{1e6 * tottime / layers:9.1f} {1e6 * cumtime / layers:9.1f} {ncalls / layers:6.2f}  {where[:100]}\n")
+    return out.getvalue()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--history", type=int, default=1 << 20, help="history tokens (default %(default)s)")
     ap.add_argument("--depth", type=int, default=2, help="prefetch depth (default %(default)s)")
     ap.add_argument("--prefetch-programs", type=int, default=None,
                     help="persistent programs of a prefetch's pack (default: the full grid)")
+    ap.add_argument("--python", action="store_true",
+                    help="cProfile the layer calls' Python instead of tracing with JAX's profiler")
     args = ap.parse_args(argv)
     if not (torch.cuda.is_available() and jax.default_backend() == "gpu"):
         print("adapter_host_timeline needs torch and JAX on a CUDA GPU", file=sys.stderr)
         return 2
     work = bench.Workload(args.history, 4096, 8)
-    adapter = annotated(work.adapter(args.depth, args.prefetch_programs))
     print(f"history {args.history}, depth {args.depth}, prefetch programs {args.prefetch_programs}, "
           f"jax {jax.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    print(summary(host_events(work, adapter, bench.compute_kernels(4.0)["sleep"])))
+    compute = bench.compute_kernels(4.0)["sleep"]
+    if args.python:
+        adapter = work.adapter(args.depth, args.prefetch_programs)
+        print(python_profile(work, adapter, compute))
+    else:
+        adapter = annotated(work.adapter(args.depth, args.prefetch_programs))
+        print(summary(host_events(work, adapter, compute)))
     adapter.close()
     return 0
 

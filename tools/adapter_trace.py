@@ -69,6 +69,24 @@ def contention(ks: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def chains(ks: list[dict]) -> list[float]:
+    """Per layer, us from the end of torch's cache write to the start of torch's consumer: on
+    torch's compute stream (the one with the compute kernels) each layer is its compute
+    kernel(s), the cache write, then the consumer; at depth 0 the span holds the layer's whole
+    gather, with the prefetch only the hand-offs and the patch that torch still waits for."""
+    compute = [k for k in ks if category(k["name"]) == "torch compute"]
+    if not compute:
+        return []
+    stream = compute[0]["stream"]
+    mine = [k for k in ks if k["stream"] == stream]
+    out = []
+    for i, k in enumerate(mine[:-2]):
+        if category(k["name"]) == "torch compute" and category(mine[i + 1]["name"]) != "torch compute":
+            write, consumer = mine[i + 1], mine[i + 2]
+            out.append(consumer["start"] - write["start"] - write["dur"])
+    return out
+
+
 COLORS = {"torch compute": "tab:blue", "gather": "tab:orange", "patch": "tab:green", "copy": "tab:red",
           "other": "tab:gray"}
 
@@ -116,6 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stream", default="side", help="torch's stream: default, side or priority (default %(default)s)")
     ap.add_argument("--prefetch-programs", type=int, default=None,
                     help="persistent programs of a prefetch's pack (default: the adapter's)")
+    ap.add_argument("--mark", choices=["before-write", "after-write"], default="before-write",
+                    help="set_current_chunk before the layer's cache write or after it (default %(default)s)")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.abspath(args.code))
     import torch
@@ -123,7 +143,8 @@ def main(argv=None) -> int:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
 
-    work = bench.Workload(args.history, args.chunk, args.layers, chunk_in_place=args.latents == "in-place")
+    work = bench.Workload(args.history, args.chunk, args.layers, chunk_in_place=args.latents == "in-place",
+                          mark_before_write=args.mark == "before-write")
     compute = bench.compute_kernels(args.compute_ms)[args.compute]
     panels, listing = {}, {}
     side = bench.torch_stream(args.stream)
@@ -148,13 +169,17 @@ def main(argv=None) -> int:
     packs = "full-grid" if args.prefetch_programs is None else f"{args.prefetch_programs}-program"
     title = args.label or (f"{args.layers} layers, {args.history} history + {args.chunk} chunk tokens, "
                            f"{args.compute} {args.compute_ms} ms/layer on torch's {args.stream} stream, "
-                           f"{packs} prefetch packs, latents {args.latents}")
+                           f"{packs} prefetch packs, latents {args.latents}, marked {args.mark}")
     plot(panels, args.out + ".png", title)
     with open(args.out + ".json", "w") as f:
         json.dump(dict(title=title, code=os.path.abspath(args.code), kernels=listing), f)
     for label, ks in panels.items():
         print(label)
         print(contention(ks))
+        span = chains(ks)
+        if span:
+            print(f"  cache write end -> torch's consumer: median {statistics.median(span):.1f} us, per layer "
+                  + " ".join(f"{s:.1f}" for s in span))
         for k in ks:
             print(f"  s{k['stream']:<4} {k['start']:10.1f} {k['dur']:8.1f}  {k['name'][:70]}")
     return 0

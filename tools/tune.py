@@ -257,15 +257,16 @@ ATTENTION_SHAPE = dict(tokens=4096, top_k=2048, rows=262144)
 ATTENTION_HEADS = (16, 64, 128)
 
 
-def sweep_attention(names, log, results):
-    """Every tile config of the Pallas attention, each checked against the XLA implementation on
-    the first inputs (`ckv_jax.benchmarks.attention`); the work of a row is its FLOPs."""
+def sweep_attention(names, log, results, heads_list=ATTENTION_HEADS, implementations=None):
+    """Every tile config of the Pallas attention (of `implementations`, None: both), each checked
+    against the XLA implementation on the first inputs (`ckv_jax.benchmarks.attention`); the work
+    of a row is its FLOPs."""
     from ckv_jax.benchmarks import attention as bench
     t, k, rows = ATTENTION_SHAPE["tokens"], ATTENTION_SHAPE["top_k"], ATTENTION_SHAPE["rows"]
     for name in names:
         fmt = formats.get(name)
         records = bench.record_table(fmt, rows, seed=1)
-        for heads in ATTENTION_HEADS:
+        for heads in heads_list:
             inputs = bench.query_sets(t, heads, k, rows, seed=heads)
             work = sparse_mla_attention.flops(t, heads, k, fmt.layout)
             reference = sparse_mla_attention.attention_blocked(inputs[0][0], records, *inputs[0][1:], 576 ** -0.5,
@@ -275,6 +276,7 @@ def sweep_attention(names, log, results):
             if "pallas_mosaic_gpu" in reading(fmt.layout) and mosaic.supported_on(jax.devices()[0], records.size,
                                                                                   False)[0]:
                 variants += [("pallas_mosaic_gpu", cfg) for cfg in MOSAIC_ATTENTION_CONFIGS]
+            variants = [(impl, cfg) for impl, cfg in variants if implementations is None or impl in implementations]
             for impl, cfg in variants:
                 def op(q, indices, counts, impl=impl, cfg=cfg):
                     return sparse_mla_attention.sparse_mla_attention(q, records, indices, counts, 576 ** -0.5,
@@ -380,6 +382,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default=None, help="comma-separated sizes for every op (default: SIZES)")
     ap.add_argument("--requests", type=int, default=1,
                     help="requests sharing the tokens of a paged gather (the table is built from one)")
+    ap.add_argument("--attention-heads", default=",".join(map(str, ATTENTION_HEADS)),
+                    help="sparse_mla_attention: query heads of the sweep (default %(default)s)")
+    ap.add_argument("--implementations", default=None,
+                    help="sparse_mla_attention: the implementations swept, comma-separated (default: all)")
     ap.add_argument("--out", default="tune.json", help="the JSON results file")
     ap.add_argument("--table-from", nargs="+", metavar="JSON", default=None,
                     help="measure nothing: make the table from earlier sweeps' JSON files (times averaged)")
@@ -423,7 +429,8 @@ def main(argv=None) -> int:
         elif op == "write_records":
             sweep_writer(names, log, results)
         elif op == "sparse_mla_attention":
-            sweep_attention(names, log, results)
+            sweep_attention(names, log, results, tuple(int(h) for h in args.attention_heads.split(",")),
+                            None if args.implementations is None else args.implementations.split(","))
         else:
             ap.error(f"--ops: unknown {op!r}")
         with open(args.out, "w") as f:

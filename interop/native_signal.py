@@ -1,0 +1,122 @@
+"""The native form of the adapter's in-program stream signal (`native/stream_signal.cc`): an XLA
+FFI handler, built on first use with the host's C++ compiler against the installed jaxlib's FFI
+headers (`jax.ffi.include_dir()`, so it always matches the running XLA), cached on disk, and
+registered with JAX.  Its handler runs in native code where the Python `buffer_callback` costs
+each layer's dispatch a Python call (BENCHMARKS.md, ninth session: 19-27 us traced, 44 us alone).
+
+`load()` returns the `Library` or None with the reason (no compiler, a failed build or
+registration); the caller then keeps the Python callback and logs why.  Nothing here needs CUDA
+at build time: the handler takes the driver's cuEventRecord and cuStreamWaitEvent as addresses.
+
+The cache directory is `$CKV_JAX_CACHE_DIR` or `~/.cache/ckv_jax`; one library per source,
+header version and compiler, built into a temporary file and renamed, so concurrent processes
+(one per GPU) never load a half-written one.
+"""
+from __future__ import annotations
+
+import array
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+
+SOURCE = Path(__file__).with_name("native") / "stream_signal.cc"
+GPU_TARGET, HOST_TARGET = "ckv_stream_signal", "ckv_host_signal"
+
+
+@dataclasses.dataclass(frozen=True)
+class Library:
+    path: Path
+    handle: ctypes.CDLL
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    library: Library | None
+    why: str                   # why it is missing ("" when loaded)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CKV_JAX_CACHE_DIR") or Path.home() / ".cache" / "ckv_jax")
+
+
+def compiler() -> str | None:
+    """The C++ compiler: $CXX, else c++ or g++ on the PATH."""
+    for name in (os.environ.get("CXX"), "c++", "g++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+@functools.cache
+def load() -> Loaded:
+    """The library, built if needed and registered for CUDA and the CPU, once per process."""
+    cxx = compiler()
+    if cxx is None:
+        return Loaded(None, "no C++ compiler ($CXX, c++ or g++) to build the native stream signal")
+    include = jax.ffi.include_dir()
+    source = SOURCE.read_bytes()
+    header = (Path(include) / "xla" / "ffi" / "api" / "c_api.h").read_bytes()
+    key = hashlib.sha256(source + header + cxx.encode()).hexdigest()[:16]
+    path = cache_dir() / "native" / key / "libckv_stream_signal.so"
+    try:
+        if not path.exists():
+            _build(cxx, include, path)
+        handle = ctypes.CDLL(str(path))
+        jax.ffi.register_ffi_target(GPU_TARGET, jax.ffi.pycapsule(handle.CkvStreamSignal), platform="CUDA")
+        jax.ffi.register_ffi_target(HOST_TARGET, jax.ffi.pycapsule(handle.CkvHostSignal), platform="cpu")
+    except (OSError, subprocess.CalledProcessError, AttributeError, ValueError, RuntimeError) as e:
+        detail = getattr(e, "stderr", "") or ""
+        return Loaded(None, f"native stream signal unavailable: {type(e).__name__}: {e} {detail[-2000:]}".rstrip())
+    return Loaded(Library(path, handle), "")
+
+
+def _build(cxx: str, include: str, path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so.tmp", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        # -isystem: the FFI headers' own warnings are not ours
+        subprocess.run([cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-isystem", include, str(SOURCE), "-o",
+                        str(partial)], check=True, capture_output=True, text=True)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def new_state() -> array.array:
+    """The host words a signal's handler updates: (calls, last stream handle), uint64 each."""
+    return array.array("Q", [0, 0])
+
+
+def call(arrays: tuple, *, platform: str, record_fn: int, wait_fn: int, ready_event: int, then_wait: int,
+         state: array.array) -> tuple:
+    """`arrays`, unchanged, through the native signal (see the comment atop the C++ file): on a
+    GPU it records `ready_event` on the program's stream there, then (when `then_wait` is not 0)
+    makes the stream wait on that event; elsewhere it only counts.  state: `new_state()`, which
+    the handler updates; it must outlive every program that calls it (and never be resized).
+    The operands are aliased to the results (no copy of a buffer the program owns)."""
+    if not isinstance(state, array.array) or state.typecode != "Q" or len(state) != 2:
+        raise TypeError(f"state: expected new_state() (array.array('Q') of 2 words), got {state!r}")
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+    target = GPU_TARGET if platform == "gpu" else HOST_TARGET
+    attrs = dict(record_fn=record_fn, wait_fn=wait_fn, ready_event=ready_event, then_wait=then_wait,
+                 state=state.buffer_info()[0])
+    return tuple(jax.ffi.ffi_call(target, shapes, input_output_aliases={i: i for i in range(len(arrays))})(
+        *arrays, **{k: np.uint64(v) for k, v in attrs.items()}))
+
+
+def driver_functions() -> tuple[int, int]:
+    """The addresses of the CUDA driver's cuEventRecord and cuStreamWaitEvent (libcuda.so.1, the
+    one driver every CUDA runtime in the process uses; its event and stream handles are the
+    runtime's)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    return tuple(ctypes.cast(getattr(cuda, name), ctypes.c_void_p).value for name in ("cuEventRecord", "cuStreamWaitEvent"))
