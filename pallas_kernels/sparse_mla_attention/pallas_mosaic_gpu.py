@@ -30,9 +30,12 @@ its time does not change from 16 to 64 heads: it is bound by the memory warpgrou
 192 copies a tile, not by the MMAs.  In Pallas' lowering each copy issued by a warpgroup first
 synchronizes the warpgroup and then arrives on the barrier from all 128 threads: 24,576 arrivals
 on one barrier a tile, which at about one a cycle is the ~15 us a tile measured.
-`MosaicAttentionTiles(copy_warps=4)` lets each warp issue a quarter of the rows onto a barrier of
-its own (32 arrivals a copy, no warpgroup barrier); it is checked in interpret mode and lowers
-for CUDA, and is not yet timed on a GPU, so the default stays 1.
+`MosaicAttentionTiles(copy_warps=4)`, the default, lets each warp issue a quarter of the rows
+onto a barrier of its own (32 arrivals a copy, no warpgroup barrier).  On the H200 that is only
+2.6-5% faster than one issuer (BENCHMARKS.md, twelfth session: 85.6 against 83.4 TFLOP/s at 64
+heads, 21.7 against 20.7 at 16), so the arrivals are not what bounds the kernel; the tile's
+single ring slot, which makes the next tile's copies wait for both compute warpgroups, is the
+next suspect.
 
 Interpret mode (CPU tests) runs the same pipeline, copies, barriers and masks; it has no register
 layouts and its wgmma takes neither a transposed operand nor an accumulator initialised from a
@@ -70,8 +73,8 @@ class MosaicAttentionTiles:
     # Issuers of the record copies: 1, the memory warpgroup as one (every copy an arrival of all
     # 128 threads on one barrier, after a warpgroup barrier), or 4, each warp of it issuing a
     # quarter of the rows onto a barrier of its own (32 threads arrive per copy, no warpgroup
-    # barrier per copy).  The copies' arrivals on one barrier bound the kernel (module docstring).
-    copy_warps: int = 1
+    # barrier per copy); 4 measured a few percent faster (module docstring).
+    copy_warps: int = WARPS_PER_WARPGROUP
 
     def __post_init__(self):
         selection.check_power_of_two_fields(self, ("block_k",))
