@@ -283,6 +283,29 @@ def test_the_stream_probe_refuses_what_it_cannot_vouch_for(monkeypatch):
     assert "not of the release line whose compute-stream hand-off was checked (0.11.*)" in stream_handoff._probe(gpu).why
 
 
+def test_the_private_stream_reader_is_used_only_where_it_agrees_with_torch(monkeypatch):
+    """`current_stream_reader` takes torch's private reader of the current stream only when it
+    exists and names the stream `torch.cuda.current_stream` names; else None (the public call)."""
+    from interop import stream_handoff
+    public = type("FakeStream", (), dict(stream_id=7, device_index=0, device_type=1))()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: public)
+
+    def reading(value):
+        def read(index):
+            if isinstance(value, Exception):
+                raise value
+            return value
+        monkeypatch.setattr(torch._C, "_cuda_getCurrentStream", read, raising=False)
+        return stream_handoff.current_stream_reader(0)
+
+    reader = reading((7, 0, 1))
+    assert reader is not None and reader() == (7, 0, 1)
+    assert reading((8, 0, 1)) is None                        # another stream than torch's own answer
+    assert reading(RuntimeError("no CUDA")) is None
+    monkeypatch.delattr(torch._C, "_cuda_getCurrentStream", raising=False)
+    assert stream_handoff.current_stream_reader(0) is None
+
+
 def test_storage_use_count_sees_every_view():
     from interop import stream_handoff
     slot = torch.zeros(64, 656, dtype=torch.uint8)

@@ -255,6 +255,7 @@ def test_the_event_path_is_on_and_uses_jax_compute_stream():
     adapter = _adapter(2)
     assert adapter.ordering == "cuda-events"
     assert adapter.events.signal.native, native_signal.load().why      # the device has a C++ compiler
+    assert adapter.events._read_stream is not None         # torch's private stream reader agreed with torch
     assert adapter.events.jax_stream.cuda_stream == seen[0] != 0
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), 3, device="cuda")
     pool = {t.data_ptr() for ring in adapter.orch.pool._tensors for t in ring}
