@@ -9,7 +9,7 @@ registration); the caller then keeps the Python callback and logs why.  Nothing 
 at build time: the handler takes the driver's cuEventRecord and cuStreamWaitEvent as addresses.
 
 The cache directory is `$CKV_JAX_CACHE_DIR` or `~/.cache/ckv_jax`; one library per source,
-header version and compiler, built into a temporary file and renamed, so concurrent processes
+FFI headers and compiler, built into a temporary file and renamed, so concurrent processes
 (one per GPU) never load a half-written one.
 """
 from __future__ import annotations
@@ -63,9 +63,9 @@ def load() -> Loaded:
     if cxx is None:
         return Loaded(None, "no C++ compiler ($CXX, c++ or g++) to build the native stream signal")
     include = jax.ffi.include_dir()
-    source = SOURCE.read_bytes()
-    header = (Path(include) / "xla" / "ffi" / "api" / "c_api.h").read_bytes()
-    key = hashlib.sha256(source + header + cxx.encode()).hexdigest()[:16]
+    headers = b"".join((Path(include) / "xla" / "ffi" / "api" / name).read_bytes()
+                       for name in ("c_api.h", "api.h", "ffi.h"))
+    key = hashlib.sha256(SOURCE.read_bytes() + headers + cxx.encode()).hexdigest()[:16]
     path = cache_dir() / "native" / key / "libckv_stream_signal.so"
     try:
         if not path.exists():
