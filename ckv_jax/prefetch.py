@@ -280,8 +280,9 @@ class PrefetchOrchestrator:
         signal: a static hashable callable the program calls, in stream order, between the
         layer's own work and the prefetches (`dcp_step.signal_when_ready`, once per device, with
         the program's stream; or its native form, `in_program`): a consumer on another stream
-        waits on what it records and so never waits for the prefetches.  A call without prefetches calls it once on the host right
-        after the dispatch instead, with stream None (the program ends with the own work).
+        waits on what it records and so never waits for the prefetches.  A call without
+        prefetches calls it once on the host right after the dispatch instead, with stream None
+        (the program ends with the own work).
         ready: the host-side form of the same hook, for consumers that wait through an export:
         called with the workspace once its own computation is dispatched; the prefetches are then
         dispatched separately, after it.

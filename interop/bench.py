@@ -2,11 +2,11 @@
 
 One request of H history tokens plus a C-token chunk, D = 1, fp8_ds_mla, L layers.  Per layer
 torch computes X ms, calls `set_current_chunk` (the latents are final), writes the chunk into the
-layer's paged cache, calls `gather`, and reads the workspace (a one-row consumer that orders
-after it).  The chunk's
-latents come in the adapter's `chunk_buffers` (`--latents in-place`: the engine's projection
-writes them there, so the step's first fill is untimed and no layer copies them) or as the
-engine's own tensors, which the adapter copies per layer (`--latents copied`).  Two kinds of
+layer's paged cache (`--mark after-write`: the other way round), calls `gather`, and reads the
+workspace (a one-row consumer that orders after it).  The chunk's latents come in the adapter's
+`chunk_buffers` (`--latents in-place`: the engine's projection writes them there, so the step's
+first fill is untimed and no layer copies them) or as the engine's own tensors, which the
+adapter copies per layer (`--latents copied`).  Two kinds of
 compute: `sleep` (`torch.cuda._sleep`: one spinning CTA, the SMs stay free, so this measures the
 ordering machinery alone) and `matmul` (bf16 matmuls that fill every SM: the realistic worst
 case).  Per row:

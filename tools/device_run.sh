@@ -17,7 +17,7 @@ status=0
 step() { echo "=== $1 ($(date +%T))"; shift; timeout -k 10 "$@" || { echo "!!! exit $?"; status=1; }; }
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 want env && step "env" 60 python -m ckv_jax.cli env 2>&1 | tee "$OUT/env.txt"
-want tests && step "GPU tests" 180 python -m pytest tests -q -p no:cacheprovider -rs ${PYTEST_ARGS:--m gpu} 2>&1 \
+want tests && step "GPU tests" 270 python -m pytest tests -q -p no:cacheprovider -rs ${PYTEST_ARGS:--m gpu} 2>&1 \
   | tee "$OUT/pytest_gpu.txt"
 if want examples; then
   step "torch engine example" 90 python examples/torch_engine.py 2>&1 | tee "$OUT/example_torch_engine.txt"

@@ -251,6 +251,7 @@ def sweep_writer(names, log, results):
 ATTENTION_CONFIGS = [AttentionTiles(h, k, w, st) for h, k, w, st in
                      [(16, 32, 4, 1), (32, 32, 8, 1), (32, 64, 8, 1), (64, 32, 8, 1), (64, 64, 8, 1), (32, 32, 4, 2)]]
 MOSAIC_ATTENTION_CONFIGS = [MosaicAttentionTiles(copy_warps=w) for w in (1, 4)]     # fp8_ds_mla records only
+SWEPT_ATTENTION = {"pallas_triton": ATTENTION_CONFIGS, "pallas_mosaic_gpu": MOSAIC_ATTENTION_CONFIGS}
 # the prefill shape of the attention goals: T query tokens with their own top-k over a gathered
 # fp8 workspace far above L2, at the head counts of TP 8 (16), TP 2 (64) and one GPU (128)
 ATTENTION_SHAPE = dict(tokens=4096, top_k=2048, rows=262144)
@@ -271,12 +272,10 @@ def sweep_attention(names, log, results, heads_list=ATTENTION_HEADS, implementat
             work = sparse_mla_attention.flops(t, heads, k, fmt.layout)
             reference = sparse_mla_attention.attention_blocked(inputs[0][0], records, *inputs[0][1:], 576 ** -0.5,
                                                                layout=fmt.layout)
-            variants = [("pallas_triton", cfg) for cfg in ATTENTION_CONFIGS]
-            mosaic = sparse_mla_attention.SPARSE_MLA_ATTENTION.implementation("pallas_mosaic_gpu")
-            if "pallas_mosaic_gpu" in reading(fmt.layout) and mosaic.supported_on(jax.devices()[0], records.size,
-                                                                                  False)[0]:
-                variants += [("pallas_mosaic_gpu", cfg) for cfg in MOSAIC_ATTENTION_CONFIGS]
-            variants = [(impl, cfg) for impl, cfg in variants if implementations is None or impl in implementations]
+            attention_op = sparse_mla_attention.SPARSE_MLA_ATTENTION
+            variants = [(impl, cfg) for impl, configs in SWEPT_ATTENTION.items() for cfg in configs
+                        if (implementations is None or impl in implementations) and impl in reading(fmt.layout)
+                        and attention_op.implementation(impl).supported_on(jax.devices()[0], records.size, False)[0]]
             for impl, cfg in variants:
                 def op(q, indices, counts, impl=impl, cfg=cfg):
                     return sparse_mla_attention.sparse_mla_attention(q, records, indices, counts, 576 ** -0.5,
@@ -403,6 +402,8 @@ def main(argv=None) -> int:
         SIZES.update((op, sizes) for op in SIZES)
     if args.requests < 1:
         ap.error(f"--requests: expected at least 1, got {args.requests}")
+    if args.implementations and not set(args.implementations.split(",")) <= set(SWEPT_ATTENTION):
+        ap.error(f"--implementations: expected names of {', '.join(SWEPT_ATTENTION)}, got {args.implementations!r}")
     if jax.default_backend() != "gpu":
         print("the tuning sweep times compiled kernels: it needs a GPU", file=sys.stderr)
         return 2

@@ -142,5 +142,3 @@ def _median_seconds(make_inputs, calls, rounds=4):
                 times[name].append(time.perf_counter() - start)
             del inputs
     return {name: statistics.median(t) for name, t in times.items()}
-
-
