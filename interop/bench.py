@@ -3,7 +3,10 @@
 One request of H history tokens plus a C-token chunk, D = 1, fp8_ds_mla, L layers.  Per layer
 torch computes X ms, calls `set_current_chunk` (the latents are final), writes the chunk into the
 layer's paged cache (`--mark after-write`: the other way round), calls `gather`, and reads the
-workspace (a one-row consumer that orders after it).  The chunk's latents come in the adapter's
+workspace (a one-row consumer that orders after it).  `--indexer-pct P` moves P% of X to between
+the latents' mark and the cache write, where a sparse-MLA layer runs its indexer (vLLM's order:
+latents, indexer, cache write, attention); the default 0 puts nothing there, so the patch's
+hand-offs between the streams lie on torch's path (the worst case).  The chunk's latents come in the adapter's
 `chunk_buffers` (`--latents in-place`: the engine's projection writes them there, so the step's
 first fill is untimed and no layer copies them) or as the engine's own tensors, which the
 adapter copies per layer (`--latents copied`).  Two kinds of
@@ -26,6 +29,9 @@ case).  Per row:
   hidden_pct           100 * (1 - (step_N - compute_only) / (step_0 - compute_only)): the share
                        of the depth-0 step's exposed gather time that depth N hides
   host_us_per_layer    host wall time of one layer's `set_current_chunk` + `gather` (median)
+  host_probe_us        the host's speed at that row: one dispatch of a trivial jitted program
+                       and one small torch op (median of a loop of each, us), so host figures
+                       of different runs can be told apart from a slower machine
 """
 from __future__ import annotations
 
@@ -103,14 +109,17 @@ class Workload:
             self.begin_step(adapter)
         self.layers(adapter, compute, host, jax_events)
 
-    def layers(self, adapter, compute=None, host=None, jax_events=None):
+    def layers(self, adapter, compute=None, host=None, jax_events=None, indexer=None):
         """The layer loop of a begun step (adapter None: compute and cache writes only).  host: a
         list that receives each layer's adapter host time; jax_events: a list that receives
-        (start, end) events recorded on JAX's stream around each layer's calls."""
+        (start, end) events recorded on JAX's stream around each layer's calls; indexer: compute
+        queued just before the cache write (after the latents' mark, unless marked after the write)."""
         for layer, cache in enumerate(self.caches):
             if compute is not None:
                 compute()
             if adapter is None:
+                if indexer is not None:
+                    indexer()
                 self.write(layer)
                 self.stand_in[:1].sum()                   # the consumer's own kernels, over no workspace
                 continue
@@ -118,11 +127,15 @@ class Workload:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(adapter.events.jax_stream)
             if not self.mark_before_write:
+                if indexer is not None:
+                    indexer()
                 self.write(layer)
             t0 = time.perf_counter()
             adapter.set_current_chunk(*self.latents)     # the latents are final
             t1 = time.perf_counter()
             if self.mark_before_write:
+                if indexer is not None:
+                    indexer()
                 self.write(layer)
             t2 = time.perf_counter()
             ws = adapter.gather(layer, cache)
@@ -240,7 +253,27 @@ def torch_stream(kind: str) -> torch.cuda.Stream:
     raise ValueError(f"streams: expected names of {STREAMS}, got {kind!r}")
 
 
-def _interleaved(work: Workload, adapters: dict, depths, compute, trials: int, warmup: int = 2):
+def host_probe_us(calls: int = 300) -> dict:
+    """The host's speed now: median us of one dispatch of a trivial jitted program (its result
+    dropped; JAX queues it) and of one small torch op, each over `calls` calls in a loop."""
+    x = jax.device_put(np.zeros(1, np.float32))
+    bump = jax.jit(lambda v: v + 1)
+    t = torch.zeros(1, device="cuda")
+    jax.block_until_ready(bump(x))
+    out = {}
+    for name, fn in (("jax", lambda: bump(x)), ("torch", lambda: t.add(1))):
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[name] = 1e6 * statistics.median(times)
+    jax.block_until_ready(bump(x))
+    torch.cuda.synchronize()
+    return out
+
+
+def _interleaved(work: Workload, adapters: dict, depths, compute, trials: int, warmup: int = 2, indexer=None):
     """Step times (ms) of the compute alone and of each depth, the variants taking turns within
     every trial, so a drift of the GPU's clocks (a spinning or multiplying kernel's time follows
     them; a hot GPU after matmuls runs slower for a while) falls on all of them alike.  Returns
@@ -249,7 +282,7 @@ def _interleaved(work: Workload, adapters: dict, depths, compute, trials: int, w
     host, begin = {d: [] for d in depths}, {d: [] for d in depths}
     for trial in range(warmup + trials):
         keep = trial >= warmup
-        t = event_ms(lambda: work.layers(None, compute), before=compute)
+        t = event_ms(lambda: work.layers(None, compute, indexer=indexer), before=compute)
         if keep:
             compute_only.append(t)
         for depth in depths:
@@ -261,7 +294,7 @@ def _interleaved(work: Workload, adapters: dict, depths, compute, trials: int, w
                 work.begin_step(adapter)
                 began.append(time.perf_counter() - t0)
 
-            t = event_ms(lambda: work.layers(adapter, compute, layer_host), before=begin_step)
+            t = event_ms(lambda: work.layers(adapter, compute, layer_host, indexer=indexer), before=begin_step)
             if keep:
                 steps[depth].append(t)
                 host[depth] += layer_host
@@ -270,9 +303,12 @@ def _interleaved(work: Workload, adapters: dict, depths, compute, trials: int, w
 
 
 def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, prefetch_programs=None,
-        chunk_in_place=True, mark_before_write=True, native_signal=True) -> list[dict]:
+        chunk_in_place=True, mark_before_write=True, native_signal=True, indexer_pct=0.0) -> list[dict]:
+    """The rows of the matrix (module docstring).  indexer_pct: the share of each X queued just
+    before the cache write (0: none)."""
     rows = []
-    computes = {x: compute_kernels(x) for x in compute_ms}
+    computes = {x: compute_kernels(x * (1 - indexer_pct / 100)) for x in compute_ms}
+    indexers = {x: compute_kernels(x * indexer_pct / 100) if indexer_pct else None for x in compute_ms}
     for history in histories:
         work = Workload(history, chunk, layers, chunk_in_place=chunk_in_place, mark_before_write=mark_before_write,
                         native_signal=native_signal)
@@ -285,7 +321,10 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
                 for kind in kinds:
                     for x in compute_ms:
                         compute = computes[x][kind]
-                        compute_only, steps, host, begin = _interleaved(work, adapters, depths, compute, trials)
+                        indexer = indexers[x] and indexers[x][kind]
+                        probe = host_probe_us()
+                        compute_only, steps, host, begin = _interleaved(work, adapters, depths, compute, trials,
+                                                                        indexer=indexer)
                         x_ms = statistics.median(compute_only) / layers
                         by_depth = {}
                         for depth in depths:
@@ -295,13 +334,15 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
                                 chunk=chunk, layers=layers, ordering=adapters[depth].ordering,
                                 chunk_latents="in-place" if chunk_in_place else "copied",
                                 latents_marked="before-write" if mark_before_write else "after-write",
+                                indexer_pct=indexer_pct,
                                 signal=_signal_kind(adapters[depth]),
                                 prefetch_tiles=str(adapters[depth].orch.prefetch_tiles),
                                 compute_ms_per_layer=x_ms, gather_ms_per_layer=gather_ms,
                                 compute_only_ms=statistics.median(compute_only), step_ms=by_depth[depth],
                                 spread_pct=100 * (max(steps[depth]) - min(steps[depth])) / by_depth[depth],
                                 host_us_per_layer=1e6 * statistics.median(host[depth]),
-                                begin_step_us=1e6 * statistics.median(begin[depth])))
+                                begin_step_us=1e6 * statistics.median(begin[depth]),
+                                host_probe_jax_us=probe["jax"], host_probe_torch_us=probe["torch"]))
                         exposed0 = by_depth[min(depths)] - statistics.median(compute_only)
                         for r in rows[-len(depths):]:
                             r["hidden_pct"] = 100 * (1 - (r["step_ms"] - r["compute_only_ms"]) / exposed0)
@@ -314,7 +355,7 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
 
 
 HEADER = (f"{'kind':>6} {'stream':>7} {'history':>8} {'X ms':>6} {'gather ms':>9} {'compute ms':>10} "
-          f"{'depth: step ms (hidden %, host us/layer, spread %)'}")
+          f"{'depth: step ms (hidden %, host us/layer, spread %)  host probe jax/torch'}")
 
 
 def _line(rows) -> str:
@@ -322,7 +363,8 @@ def _line(rows) -> str:
     cells = "  ".join(f"d{r['depth']} {r['step_ms']:7.2f} ({r['hidden_pct']:5.1f}%, {r['host_us_per_layer']:4.0f}, "
                       f"{r['spread_pct']:.1f})" for r in rows)
     return (f"{r0['compute_kind']:>6} {r0['torch_stream']:>7} {r0['history']:>8} {r0['compute_ms_per_layer']:6.2f} "
-            f"{r0['gather_ms_per_layer']:9.3f} {r0['compute_only_ms']:10.2f} {cells}")
+            f"{r0['gather_ms_per_layer']:9.3f} {r0['compute_only_ms']:10.2f} {cells}  "
+            f"probe {r0['host_probe_jax_us']:.0f}/{r0['host_probe_torch_us']:.0f} us")
 
 
 def _signal_kind(adapter) -> str:
@@ -358,6 +400,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mark", choices=["before-write", "after-write"], default="before-write",
                     help="where the engine calls set_current_chunk: before the layer's cache write (the "
                          "patch runs beside it) or after it (default %(default)s)")
+    ap.add_argument("--indexer-pct", type=float, default=0.0,
+                    help="percent of X queued between the latents' mark and the cache write, where a "
+                         "sparse-MLA layer runs its indexer (default %(default)s: none, the worst case)")
     ap.add_argument("--signal", choices=["native", "callback"], default="native",
                     help="the layer program's in-program signal: the native custom call, or the Python "
                          "callback (default %(default)s)")
@@ -365,6 +410,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not (torch.cuda.is_available() and jax.default_backend() == "gpu"):
         print("interop.bench needs torch and JAX on a CUDA GPU", file=sys.stderr)
+        return 2
+    if not 0 <= args.indexer_pct < 100:
+        print(f"--indexer-pct: expected a percentage in [0, 100), got {args.indexer_pct}", file=sys.stderr)
         return 2
     if 0 not in args.depths:
         print("--depths: depth 0 is the baseline of hidden_pct; include it", file=sys.stderr)
@@ -382,7 +430,7 @@ def main(argv=None) -> int:
     print(HEADER, flush=True)
     rows = run(args.histories, args.chunk, args.layers, args.depths, args.compute_ms, args.kinds, args.streams,
                args.trials, args.prefetch_programs, args.latents == "in-place", args.mark == "before-write",
-               args.signal == "native")
+               args.signal == "native", args.indexer_pct)
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), jax=jax.__version__, torch=torch.__version__,
                        command="python -m interop.bench " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -7,8 +7,11 @@
 Each run is `op:tokens[:rows_per_tile:num_warps]`: ops gather_records, gather_dequant,
 gather_slots (Pallas Triton, the given config), gather_records_mosaic (Mosaic GPU),
 torch_pages (`index_select` of the same whole pages), torch_rows (`index_select` of the same
-rows) and write_records (the Pallas Triton writer, `tokens` tokens to random slots of a cache
-four times that size; the config is tokens_per_block:num_warps).  Every op runs once on inputs
+rows), write_records (the Pallas Triton writer, `tokens` tokens to random slots of a cache
+four times that size; the config is tokens_per_block:num_warps), and attention_triton /
+attention_mosaic (the sparse-MLA attention kernels, `tokens` query tokens of --heads heads with
+their own --top-k rows of a table of --rows records, the default configs; the Mosaic GPU kernel
+reads fp8_ds_mla only).  Every op runs once on inputs
 built on the host, so the only kernels launched are the profiled ones; the paged ops pack one
 request of `tokens` records in 64-token pages picked at random from a cache twice that size.
 """
@@ -28,13 +31,14 @@ from pallas_kernels.paged_gather import GatherTiles
 
 BLOCK = 64
 OPS = ("gather_records", "gather_records_mosaic", "gather_dequant", "gather_slots", "torch_pages", "torch_rows",
-       "write_records")
+       "write_records", "attention_triton", "attention_mosaic")
 
 
 def parse_run(text: str) -> tuple[str, int, GatherTiles | WriterTiles | None]:
     parts = text.split(":")
-    if parts[0] not in OPS or len(parts) not in (2, 4):
-        raise argparse.ArgumentTypeError(f"expected op:tokens[:rows:warps] with op in {OPS}, got {text!r}")
+    if parts[0] not in OPS or len(parts) not in (2, 4) or (parts[0].startswith("attention") and len(parts) != 2):
+        raise argparse.ArgumentTypeError(f"expected op:tokens[:rows:warps] with op in {OPS} (attention ops: "
+                                         f"op:tokens), got {text!r}")
     config_type = WriterTiles if parts[0] == "write_records" else GatherTiles
     config = config_type(int(parts[2]), int(parts[3])) if len(parts) == 4 else None
     return parts[0], int(parts[1]), config
@@ -52,9 +56,23 @@ def write_once(tokens: int, config: WriterTiles | None, fmt: formats.RecordForma
     jax.block_until_ready(out)
 
 
-def run_once(op: str, tokens: int, config, fmt: formats.RecordFormat, rng) -> None:
+def attend_once(op: str, tokens: int, fmt: formats.RecordFormat, heads: int, top_k: int, rows: int) -> None:
+    from ckv_jax.benchmarks import attention
+    from pallas_kernels import sparse_mla_attention
+    records = attention.record_table(fmt, rows, seed=1)
+    q, indices, counts = attention.query_sets(tokens, heads, top_k, rows, seed=heads)[0]
+    jax.block_until_ready((records, q, indices, counts))
+    implementation = "pallas_triton" if op == "attention_triton" else "pallas_mosaic_gpu"
+    out = sparse_mla_attention.sparse_mla_attention(q, records, indices, counts, 576 ** -0.5, layout=fmt.layout,
+                                                    implementation=implementation)
+    jax.block_until_ready(out)
+
+
+def run_once(op: str, tokens: int, config, fmt: formats.RecordFormat, rng, attention_shape=None) -> None:
     if op == "write_records":
         return write_once(tokens, config, fmt, rng)
+    if op.startswith("attention"):
+        return attend_once(op, tokens, fmt, *attention_shape)
     npages = -(-tokens // BLOCK)
     cache_np = rng.integers(0, 256, (2 * npages, BLOCK, fmt.record_bytes), dtype=np.uint8)
     pages = rng.permutation(2 * npages)[:npages].astype(np.int32)
@@ -88,12 +106,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/profile_target.py", description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=parse_run, help="op:tokens[:rows_per_tile:num_warps]")
     ap.add_argument("--format", default="fp8_ds_mla")
+    ap.add_argument("--heads", type=int, default=64, help="attention ops: query heads (default %(default)s)")
+    ap.add_argument("--top-k", type=int, default=2048, help="attention ops: rows per token (default %(default)s)")
+    ap.add_argument("--rows", type=int, default=262144, help="attention ops: records (default %(default)s)")
     args = ap.parse_args(argv)
     compat.silence_triton_deprecation()
     fmt = formats.get(args.format)
     rng = np.random.default_rng(0)
     for op, tokens, config in args.runs:
-        run_once(op, tokens, config, fmt, rng)
+        run_once(op, tokens, config, fmt, rng, (args.heads, args.top_k, args.rows))
         print(f"{op} {args.format} tokens={tokens} {config or ''}: done", flush=True)
     return 0
 

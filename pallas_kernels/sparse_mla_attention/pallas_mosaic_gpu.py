@@ -65,6 +65,10 @@ RECORD_BYTES = LAYOUT.record_bytes
 MAX_TOP_K = 4096            # a token's index row lives in SMEM beside the ~200 KB of tiles
 WARPS_PER_WARPGROUP = 4
 COPIES_PER_ROW = 3          # the NoPE bytes, the 128 bytes from the scales on, the RoPE
+# The raw rows' padding in SMEM: unpadded, their 512 / 128 / 128-byte rows all start in bank 0,
+# so the eight rows a warp reads at once in the WGMMA layout hit one bank; 16 bytes (four banks)
+# more per row spread them over all 32
+ROW_PAD_BYTES = 16
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,8 +96,8 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
     # rec_u8 / rec_f32 / rec_bf16: the records u8[N, 656], viewed as f32[N, 164] and bf16[N, 328]
     # out_ref: [T, H_pad, 512] (bf16 or f32); lse_ref: f32[T, H_pad]
     # q_smem: bf16[64, 576] (swizzled); idx_smem: i32[top_k]
-    # nope_raw: u8[block_k, 512]; scale_raw: f32[block_k, 32] (scales in columns 0-3);
-    # rope_raw: bf16[block_k, 64]; k_smem: bf16[block_k, 576] (swizzled);
+    # nope_raw: u8[block_k, 512 + pad]; scale_raw: f32[block_k, 32 + pad] (scales in columns 0-3);
+    # rope_raw: bf16[block_k, 64 + pad] (each row padded by ROW_PAD_BYTES); k_smem: bf16[block_k, 576] (swizzled);
     # scales_smem: f32[4, block_k]
     # loaded: barriers[2] (q, the index row); raw_bars: barriers[copy_warps] of the tile's record
     # copies (row j's on barrier j % copy_warps); tile_syncs: barriers[3] of the compute
@@ -166,11 +170,12 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
                 row = idx_smem[pos]
                 row = jnp.where(entry_ok(pos, row), row, 0)     # masked entries copy row 0, never used
                 bar = compat.barrier_at(raw_bars, j % copy_warps)
-                plgpu.copy_gmem_to_smem(rec_u8.at[row, pl.ds(0, NOPE_DIM)], nope_raw.at[j], bar,
+                plgpu.copy_gmem_to_smem(rec_u8.at[row, pl.ds(0, NOPE_DIM)], nope_raw.at[j, pl.ds(0, NOPE_DIM)], bar,
                                         oob_mode=in_bounds)
-                plgpu.copy_gmem_to_smem(rec_f32.at[row, pl.ds(NOPE_DIM // 4, 32)], scale_raw.at[j], bar,
+                plgpu.copy_gmem_to_smem(rec_f32.at[row, pl.ds(NOPE_DIM // 4, 32)], scale_raw.at[j, pl.ds(0, 32)], bar,
                                         oob_mode=in_bounds)
-                plgpu.copy_gmem_to_smem(rec_bf16.at[row, pl.ds((NOPE_DIM + 16) // 2, ROPE_DIM)], rope_raw.at[j],
+                plgpu.copy_gmem_to_smem(rec_bf16.at[row, pl.ds((NOPE_DIM + 16) // 2, ROPE_DIM)],
+                                        rope_raw.at[j, pl.ds(0, ROPE_DIM)],
                                         bar, oob_mode=in_bounds)
 
         @pl.loop(0, num_tiles)
@@ -211,8 +216,9 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
             # exact e4m3 values, masked entries' rows zeroed; its parts' scales per entry
             k_rows = load(idx_smem.at[pl.ds(pos0, block_k)], rows_of)
             k_pos = pos0 + iota((block_k,), 0, rows_of)
-            k_ok = lax.broadcast_in_dim(entry_ok(k_pos, k_rows), (block_k, PART), (0,))
-            raw_scales = load(scale_raw, wgmma)                     # f32[block_k, 32]
+            row_ok = entry_ok(k_pos, k_rows)
+            k_ok = lax.broadcast_in_dim(row_ok, (block_k, PART), (0,))
+            raw_scales = load(scale_raw.at[:, pl.ds(0, 32)], wgmma)  # f32[block_k, 32]
             col = iota((block_k, 32), 1, wgmma)
             for p in own:
                 e4m3 = load(nope_raw.at[:, pl.ds(p * PART, PART)], wgmma)
@@ -220,41 +226,42 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
                 k = lax.bitcast_convert_type(e4m3, jnp.float8_e4m3fn).astype(jnp.float16)
                 k = k.astype(jnp.float32).astype(jnp.bfloat16)
                 k_smem[:, pl.ds(p * PART, PART)] = jnp.where(k_ok, k, jnp.zeros_like(k))
-                scales_smem[p] = jnp.sum(jnp.where(col == p, raw_scales, 0.0), axis=1)
+                # masked entries' scales are 0: their weights stay 0 (never NaN) without a mask later
+                scales_smem[p] = jnp.where(row_ok, jnp.sum(jnp.where(col == p, raw_scales, 0.0), axis=1), 0.0)
             if w == 0:
-                k_smem[:, pl.ds(NOPE_DIM, ROPE_DIM)] = load(rope_raw, wgmma)
+                k_smem[:, pl.ds(NOPE_DIM, ROPE_DIM)] = load(rope_raw.at[:, pl.ds(0, ROPE_DIM)], wgmma)
             plgpu.commit_smem()
             plgpu.barrier_arrive(consumed_bar)
             sync(k_ready)
 
-            # every score: the RoPE part, then each NoPE part times its tile scale
-            s_rows = load(idx_smem.at[pl.ds(pos0, block_k)], cols_of)
-            s_pos = pos0 + iota((block_k,), 0, cols_of)
-            s_ok = lax.broadcast_in_dim(entry_ok(s_pos, s_rows), (HEADS_PER_CTA, block_k), (1,))
-
+            # every score: the RoPE part, then each NoPE part times its tile scale.  Nothing of
+            # the tile's shape [64, block_k] lives across the wgmmas but the scores themselves
+            # (the accumulators already take 128 registers a thread): the scales and the mask
+            # are per-column vectors, broadcast where they are used
             def scores(cols):
                 return scores_of(q_smem.at[:, cols], k_smem.at[:, cols])
 
+            def part_scale(p):
+                return lax.broadcast_in_dim(load(scales_smem.at[p], cols_of), (HEADS_PER_CTA, block_k), (1,))
+
             s = scores(pl.ds(NOPE_DIM, ROPE_DIM))
-            part_scales = []
             for p in range(NUM_PARTS):
-                scale_p = load(scales_smem.at[p], cols_of)
-                scale_p = lax.broadcast_in_dim(scale_p, (HEADS_PER_CTA, block_k), (1,))
-                scale_p = jnp.where(s_ok, scale_p, 0.0)                 # masked entries: weight 0, never NaN
-                if p in own:
-                    part_scales.append(scale_p)
-                s = s + scores(pl.ds(p * PART, PART)) * scale_p
-            s = jnp.where(s_ok, s * sm_scale, -jnp.inf)                    # f32[64, block_k]
-            nan_seen = jnp.maximum(nan_seen, jnp.max(jnp.where(s_ok & (s != s), 1.0, 0.0), axis=1))
+                s = s + scores(pl.ds(p * PART, PART)) * part_scale(p)
+            s_rows = load(idx_smem.at[pl.ds(pos0, block_k)], cols_of)
+            s_pos = pos0 + iota((block_k,), 0, cols_of)
+            s_ok = lax.broadcast_in_dim(entry_ok(s_pos, s_rows), (HEADS_PER_CTA, block_k), (1,))
             seen = jnp.maximum(seen, jnp.max(jnp.where(s_ok, 1.0, 0.0), axis=1))
+            s = jnp.where(s_ok, s * sm_scale, -jnp.inf)                    # f32[64, block_k]
+            # masked entries are -inf now: a NaN is a selected entry's
+            nan_seen = jnp.maximum(nan_seen, jnp.max(jnp.where(s != s, 1.0, 0.0), axis=1))
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)              # no valid entry yet: exp(-inf) = 0
             correction = jnp.exp(m_prev - m_use)
             p_ = jnp.exp(s - lax.broadcast_in_dim(m_use, s.shape, (0,)))
             l_new = l_prev * correction + jnp.sum(p_, axis=1)
             new_accs = []
-            for acc, p, scale_p in zip(accs, own, part_scales):
-                weights = (p_ * scale_p).astype(jnp.bfloat16)
+            for acc, p in zip(accs, own):
+                weights = (p_ * part_scale(p)).astype(jnp.bfloat16)
                 acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
                 new_accs.append(accumulate(acc, weights, k_smem.at[:, pl.ds(p * PART, PART)]))
             plgpu.wgmma_wait(0)
@@ -320,9 +327,9 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, config
         scratch_types=[
             plgpu.SMEM((HEADS_PER_CTA, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((kp,), jnp.int32),
-            plgpu.SMEM((block_k, NOPE_DIM), jnp.uint8),
-            plgpu.SMEM((block_k, 32), jnp.float32),
-            plgpu.SMEM((block_k, ROPE_DIM), jnp.bfloat16),
+            plgpu.SMEM((block_k, NOPE_DIM + ROW_PAD_BYTES), jnp.uint8),
+            plgpu.SMEM((block_k, 32 + ROW_PAD_BYTES // 4), jnp.float32),
+            plgpu.SMEM((block_k, ROPE_DIM + ROW_PAD_BYTES // 2), jnp.bfloat16),
             plgpu.SMEM((block_k, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((NUM_PARTS, block_k), jnp.float32),
             plgpu.Barrier(num_arrivals=1, num_barriers=2),
