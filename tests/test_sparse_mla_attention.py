@@ -121,25 +121,36 @@ def test_a_nan_reaches_its_row_and_only_its_row(name, implementation):
     check_the_nan_rule(name, implementation)
 
 
-def test_the_mosaic_kernel_keeps_the_nan_rule(kernel_mode):
-    check_the_nan_rule(MOSAIC, dict(implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret"))
+@pytest.mark.parametrize("split_scores", [False, True])
+def test_the_mosaic_kernel_keeps_the_nan_rule(split_scores, kernel_mode):
+    """Either way of computing the scores: split, a NaN in one warpgroup's half must still reach
+    the other's output columns."""
+    check_the_nan_rule(MOSAIC, dict(implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret"),
+                       k=70, selected_column=40, config=MosaicAttentionTiles(split_scores=split_scores))
 
 
-def check_the_nan_rule(name, implementation):
-    q, records, indices, counts, sm_scale = make_case(name, 4, 16, seed=3)
+def check_the_nan_rule(name, implementation, k=K, selected_column=4, config=None):
+    """selected_column: where row 3 (of k columns) selects the NaN record (the Mosaic kernel's
+    entries 32-63 of a tile are its second compute warpgroup's half when the scores are split);
+    config: a kernel config, run through the kernels' entry point instead of the public one."""
+    q, records, indices, counts, sm_scale = make_case(name, 4, 16, seed=3, k=k)
     q[0, 2, 7] = np.nan
     bad = N - 1
     indices[indices == bad] = 0
     indices[1, 0] = bad                                   # row 1: count 0, not selected
     indices[2, 30] = bad                                  # row 2: past its count of 19
-    indices[3, 4] = bad                                   # row 3: selected
+    indices[3, selected_column] = bad                     # row 3: selected
     if name == "bf16":
         records[bad, :2] = np.array([0x7FC0], np.uint16).view(np.uint8)          # a NaN latent
     else:
         records[bad, 512:516] = np.array([np.nan], np.float32).view(np.uint8)    # a NaN tile scale
-    out, lse = (np.asarray(a, np.float32) for a in ckv_jax.sparse_mla_attention(
-        jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices), jnp.asarray(counts), sm_scale, format=name,
-        **implementation))
+    args = (jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices), jnp.asarray(counts), sm_scale)
+    if config is None:
+        got = ckv_jax.sparse_mla_attention(*args, format=name, **implementation)
+    else:
+        got = attention_op.sparse_mla_attention(*args, layout=formats.get(name).layout, config=config,
+                                                **implementation)
+    out, lse = (np.asarray(a, np.float32) for a in got)
     nan_rows = np.isnan(lse)
     want = np.zeros_like(nan_rows)
     want[0, 2] = True
@@ -179,11 +190,12 @@ def test_the_mosaic_kernel_matches_the_oracle(heads, kernel_mode):
     assert_close(MOSAIC, got, oracle_attention(MOSAIC, q, records, indices, counts, sm_scale), f"mosaic H={heads}")
 
 
-@pytest.mark.parametrize("copy_warps", [1, 4])
-def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(copy_warps, kernel_mode):
+@pytest.mark.parametrize("copy_warps, split_scores", [(1, False), (4, False), (4, True)])
+def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(copy_warps, split_scores, kernel_mode):
     """130 entries (three tiles of 64, the last partial) with scores in the tens: each tile's fp8
     scale must multiply its own products, exactly; with the record copies issued by the memory
-    warpgroup as one and by its four warps (interpreted: one issuer over the four barriers)."""
+    warpgroup as one and by its four warps (interpreted: one issuer over the four barriers), and
+    with the scores computed by both compute warpgroups or split between them."""
     q, records, indices, counts, sm_scale = make_case(MOSAIC, 3, 16, seed=13, k=130)
     q = (q.astype(np.float32) * 16).astype(ml_dtypes.bfloat16)
     want = oracle_attention(MOSAIC, q, records, indices, counts, sm_scale)
@@ -191,8 +203,10 @@ def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(copy
     got = attention_op.sparse_mla_attention(jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices),
                                             jnp.asarray(counts), sm_scale, layout=formats.get(MOSAIC).layout,
                                             implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret",
-                                            config=MosaicAttentionTiles(copy_warps=copy_warps))
-    assert_close(MOSAIC, got, want, f"mosaic, three tiles, large scores, {copy_warps} copy issuer(s)")
+                                            config=MosaicAttentionTiles(copy_warps=copy_warps,
+                                                                        split_scores=split_scores))
+    assert_close(MOSAIC, got, want, f"mosaic, three tiles, large scores, {copy_warps} copy issuer(s), "
+                                    f"split scores {split_scores}")
 
 
 def test_the_mosaic_kernel_is_named_for_fp8_records_only():

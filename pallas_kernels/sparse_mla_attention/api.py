@@ -6,8 +6,10 @@ records, SM90+, interpret mode on CPU) and ``"xla"`` (the reference blocked over
 any backend).  `implementation=None` takes the measured order for the device and size
 (`pallas_kernels.tuning`, op "sparse_mla_attention"; no device kind has one yet), else
 DEFAULT_ORDER: a kernel wherever one runs compiled (a GPU; the Mosaic GPU kernel only for
-fp8_ds_mla records), XLA elsewhere.  Triton comes first: on the H200 it is twice as fast as the
-Mosaic GPU kernel at 16 heads and as fast at 64-128 (BENCHMARKS.md, the tenth session).
+fp8_ds_mla records), XLA elsewhere.  Triton comes first: it reads every format, and at 16 heads
+it is the faster of the two on fp8 records (46.6 against 35.9 TFLOP/s on the H200); at 64 heads
+the Mosaic GPU kernel is (147.6 against 85.8; BENCHMARKS.md), which a measured table for the
+device, or `implementation="pallas_mosaic_gpu"`, picks.
 """
 from __future__ import annotations
 

@@ -15,27 +15,29 @@ M (fewer heads are padded to 64, so 16 heads cost what 64 do).  Three warpgroups
   RoPE) into the shared bf16 K tile [block_k, 576]: the e4m3 values themselves (exact in bf16),
   rows of masked entries zeroed; and its parts' float32 tile scales into a [4, block_k] table
   (a value per K row there, re-read as a value per score column).  After both have written,
-  each computes every score: five wgmmas (the RoPE and the four NoPE parts, each into its own
-  accumulator, so each part's tile scale multiplies its own products), the online softmax in
-  float32, then its half of the values: for each of its parts, (P times the part's scales) in
-  bf16 @ K[:, part] into a [64, 128] float32 accumulator.  So each warpgroup holds 256 of the
-  512 output columns (128 registers a thread), and writes them straight to GMEM at the end.
+  each computes the scores of its half of the tile's entries (`split_scores`; otherwise every
+  score): five wgmmas (the RoPE and the four NoPE parts, each into its own accumulator, so each
+  part's tile scale multiplies its own products) and the online softmax in float32, the row
+  maxima and the softmax weights (bf16) of both halves exchanged through SMEM; then its half of
+  the values: for each of its parts, (P times the part's scales) in bf16 @ K[:, part] into a
+  [64, 128] float32 accumulator.  So each warpgroup holds 256 of the 512 output columns (128
+  registers a thread), and writes them straight to GMEM at the end, once the two have summed
+  their softmax denominators.
 
 Every record value reaches the MMAs exactly, as in the Triton kernel (pallas_triton.py): the
-scales multiply the float32 products, and only the softmax weights times the scales round to
-bf16.  Same contract as `reference.attention_reference`; SM90+ (wgmma, bulk copies).
+scales multiply the float32 products, and only the softmax weights round to bf16 (split: once
+exchanged, and again once multiplied by the part's scale).  Same contract as
+`reference.attention_reference`; SM90+ (wgmma, bulk copies).
 
-Where it stands (BENCHMARKS.md): at 64 and 128 heads it runs at the Triton kernel's rate, and
-its time does not change from 16 to 64 heads: it is bound by the memory warpgroup's issue of
-192 copies a tile, not by the MMAs.  In Pallas' lowering each copy issued by a warpgroup first
-synchronizes the warpgroup and then arrives on the barrier from all 128 threads: 24,576 arrivals
-on one barrier a tile, which at about one a cycle is the ~15 us a tile measured.
-`MosaicAttentionTiles(copy_warps=4)`, the default, lets each warp issue a quarter of the rows
-onto a barrier of its own (32 arrivals a copy, no warpgroup barrier).  On the H200 that is only
-2.6-5% faster than one issuer (BENCHMARKS.md, twelfth session: 85.6 against 83.4 TFLOP/s at 64
-heads, 21.7 against 20.7 at 16), so the arrivals are not what bounds the kernel; the tile's
-single ring slot, which makes the next tile's copies wait for both compute warpgroups, is the
-next suspect.
+Where it stands (BENCHMARKS.md; T = 4,096, top-k 2,048, 262K records, device timeline): 147.6
+TFLOP/s at 64 heads with the default config, against 83.7 before three changes.
+ncu had both compute warpgroups spilling (16M local-memory requests at T = 256) and 46% of the
+SMEM wavefronts excessive. Now no tile-shaped scale or mask array is held across the wgmmas
+(124 TFLOP/s, spills halved), the raw rows are padded off one SMEM bank (excessive wavefronts
+1%), and `split_scores` gives each compute warpgroup half of the tile's entries: half the score
+wgmmas and exponentials, the row maxima and the bf16 softmax weights exchanged through SMEM
+(147.6). Four copy issuers (`copy_warps=4`) matter now: 147.6 against 95.3 with one. The time
+does not change from 16 to 64 heads (a CTA always holds 64): 35.9 TFLOP/s at 16.
 
 Interpret mode (CPU tests) runs the same pipeline, copies, barriers and masks; it has no register
 layouts and its wgmma takes neither a transposed operand nor an accumulator initialised from a
@@ -79,6 +81,11 @@ class MosaicAttentionTiles:
     # quarter of the rows onto a barrier of its own (32 threads arrive per copy, no warpgroup
     # barrier per copy); 4 measured a few percent faster (module docstring).
     copy_warps: int = WARPS_PER_WARPGROUP
+    # True: each compute warpgroup computes the scores of its half of the tile's entries, the row
+    # maxima and the bf16 softmax weights exchanged through SMEM (half the score wgmmas and
+    # exponentials, half the score registers; 147.6 against 123.8 TFLOP/s at 64 heads on the
+    # H200); False: each computes every score of the tile (and the whole softmax)
+    split_scores: bool = True
 
     def __post_init__(self):
         selection.check_power_of_two_fields(self, ("block_k",))
@@ -86,11 +93,13 @@ class MosaicAttentionTiles:
             raise ValueError(f"block_k: expected 64 (the WGMMA layout's rows), got {self.block_k}")
         if self.copy_warps not in (1, WARPS_PER_WARPGROUP):
             raise ValueError(f"copy_warps: expected 1 or {WARPS_PER_WARPGROUP}, got {self.copy_warps}")
+        if not isinstance(self.split_scores, bool):
+            raise TypeError(f"split_scores: expected a bool, got {self.split_scores!r}")
 
 
 def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out_ref, lse_ref,
-            q_smem, idx_smem, nope_raw, scale_raw, rope_raw, k_smem, scales_smem,
-            loaded, raw_bars, tile_syncs, *, num_records, top_k, block_k, copy_warps,
+            q_smem, idx_smem, nope_raw, scale_raw, rope_raw, k_smem, scales_smem, p_smem, maxes_smem, stats_smem,
+            loaded, raw_bars, tile_syncs, *, num_records, top_k, block_k, copy_warps, split,
             interpret):
     # idx_ref: i32[T, top_k]; count_ref: i32[T]; scale_ref: f32[1]; q_ref: bf16[T, H_pad, 576]
     # rec_u8 / rec_f32 / rec_bf16: the records u8[N, 656], viewed as f32[N, 164] and bf16[N, 328]
@@ -98,14 +107,18 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
     # q_smem: bf16[64, 576] (swizzled); idx_smem: i32[top_k]
     # nope_raw: u8[block_k, 512 + pad]; scale_raw: f32[block_k, 32 + pad] (scales in columns 0-3);
     # rope_raw: bf16[block_k, 64 + pad] (each row padded by ROW_PAD_BYTES); k_smem: bf16[block_k, 576] (swizzled);
-    # scales_smem: f32[4, block_k]
+    # scales_smem: f32[4, block_k]; with split scores: p_smem bf16[64, block_k + pad] (the softmax
+    # weights of both halves), maxes_smem f32[2, 64] (each half's row maxima), stats_smem f32[6, 64]
+    # (each warpgroup's sums, NaN and entry flags at the end)
     # loaded: barriers[2] (q, the index row); raw_bars: barriers[copy_warps] of the tile's record
-    # copies (row j's on barrier j % copy_warps); tile_syncs: barriers[3] of the compute
-    # warpgroups (both read the tile's records, wrote K, read K)
+    # copies (row j's on barrier j % copy_warps); tile_syncs: barriers[6] of the compute
+    # warpgroups (both read the tile's records, wrote K, read K; with split scores: wrote their
+    # row maxima, their softmax weights, their final sums)
     plgpu = compat.plgpu
     t, hb, wg = lax.axis_index("t"), lax.axis_index("hb"), lax.axis_index("wg")
     q_bar, idx_bar = loaded.at[0], loaded.at[1]
-    consumed_bar, k_ready, k_free = tile_syncs.at[0], tile_syncs.at[1], tile_syncs.at[2]
+    consumed_bar, k_ready, k_free, max_ready, p_ready, stats_ready = (tile_syncs.at[i] for i in range(6))
+    num_keys = block_k // 2 if split else block_k      # the score columns of one compute warpgroup
     count = jnp.clip(count_ref[t], 0, top_k)
     num_tiles = (count + block_k - 1) // block_k
     heads = pl.ds(hb * HEADS_PER_CTA, HEADS_PER_CTA)
@@ -234,34 +247,47 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
             plgpu.barrier_arrive(consumed_bar)
             sync(k_ready)
 
-            # every score: the RoPE part, then each NoPE part times its tile scale.  Nothing of
-            # the tile's shape [64, block_k] lives across the wgmmas but the scores themselves
-            # (the accumulators already take 128 registers a thread): the scales and the mask
-            # are per-column vectors, broadcast where they are used
-            def scores(cols):
-                return scores_of(q_smem.at[:, cols], k_smem.at[:, cols])
+            # the scores of this warpgroup's entries (split: its half of the tile; else all): the
+            # RoPE part, then each NoPE part times its tile scale.  Nothing of the tile's shape
+            # lives across the wgmmas but the scores themselves (the accumulators already take
+            # 128 registers a thread): the scales and the mask are per-column vectors, broadcast
+            # where they are used
+            key0 = pos0 + w * num_keys if split else pos0
+            keys = pl.ds(w * num_keys if split else 0, num_keys)
 
-            def part_scale(p):
-                return lax.broadcast_in_dim(load(scales_smem.at[p], cols_of), (HEADS_PER_CTA, block_k), (1,))
+            def scores(cols):
+                return scores_of(q_smem.at[:, cols], k_smem.at[keys, cols])
+
+            def part_scale(p, columns, n):
+                return lax.broadcast_in_dim(load(scales_smem.at[p, columns], cols_of), (HEADS_PER_CTA, n), (1,))
 
             s = scores(pl.ds(NOPE_DIM, ROPE_DIM))
             for p in range(NUM_PARTS):
-                s = s + scores(pl.ds(p * PART, PART)) * part_scale(p)
-            s_rows = load(idx_smem.at[pl.ds(pos0, block_k)], cols_of)
-            s_pos = pos0 + iota((block_k,), 0, cols_of)
-            s_ok = lax.broadcast_in_dim(entry_ok(s_pos, s_rows), (HEADS_PER_CTA, block_k), (1,))
+                s = s + scores(pl.ds(p * PART, PART)) * part_scale(p, keys, num_keys)
+            s_rows = load(idx_smem.at[pl.ds(key0, num_keys)], cols_of)
+            s_pos = key0 + iota((num_keys,), 0, cols_of)
+            s_ok = lax.broadcast_in_dim(entry_ok(s_pos, s_rows), (HEADS_PER_CTA, num_keys), (1,))
             seen = jnp.maximum(seen, jnp.max(jnp.where(s_ok, 1.0, 0.0), axis=1))
-            s = jnp.where(s_ok, s * sm_scale, -jnp.inf)                    # f32[64, block_k]
+            s = jnp.where(s_ok, s * sm_scale, -jnp.inf)                    # f32[64, num_keys]
             # masked entries are -inf now: a NaN is a selected entry's
             nan_seen = jnp.maximum(nan_seen, jnp.max(jnp.where(s != s, 1.0, 0.0), axis=1))
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+            tile_max = jnp.max(s, axis=1)
+            if split:                      # the row maxima of both halves, through SMEM
+                maxes_smem[w] = tile_max
+                sync(max_ready)
+                tile_max = jnp.maximum(load(maxes_smem.at[0], rows_of), load(maxes_smem.at[1], rows_of))
+            m_new = jnp.maximum(m_prev, tile_max)
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)              # no valid entry yet: exp(-inf) = 0
             correction = jnp.exp(m_prev - m_use)
             p_ = jnp.exp(s - lax.broadcast_in_dim(m_use, s.shape, (0,)))
-            l_new = l_prev * correction + jnp.sum(p_, axis=1)
+            l_new = l_prev * correction + jnp.sum(p_, axis=1)     # split: over this warpgroup's half
+            if split:                      # both halves of the softmax weights, through SMEM (bf16)
+                p_smem[:, keys] = p_.astype(jnp.bfloat16)
+                sync(p_ready)
+                p_ = load(p_smem.at[:, pl.ds(0, block_k)], wgmma).astype(jnp.float32)
             new_accs = []
             for acc, p in zip(accs, own):
-                weights = (p_ * part_scale(p)).astype(jnp.bfloat16)
+                weights = (p_ * part_scale(p, pl.ds(0, block_k), block_k)).astype(jnp.bfloat16)
                 acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
                 new_accs.append(accumulate(acc, weights, k_smem.at[:, pl.ds(p * PART, PART)]))
             plgpu.wgmma_wait(0)
@@ -273,6 +299,14 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
                 in_layout(jnp.full((HEADS_PER_CTA,), -jnp.inf, jnp.float32), rows_of),
                 zeros((HEADS_PER_CTA,), rows_of), zeros((HEADS_PER_CTA,), rows_of), zeros((HEADS_PER_CTA,), rows_of))
         accs, m, l, nan_seen, seen = lax.fori_loop(0, num_tiles, tile, init)
+        if split:                          # the sums, NaN and entry flags of the other half
+            for j, v in enumerate((l, nan_seen, seen)):
+                stats_smem[3 * w + j] = v
+            sync(stats_ready)
+            other = 3 * (1 - w)
+            l = l + load(stats_smem.at[other], rows_of)
+            nan_seen = jnp.maximum(nan_seen, load(stats_smem.at[other + 1], rows_of))
+            seen = jnp.maximum(seen, load(stats_smem.at[other + 2], rows_of))
         nan_row = nan_seen > 0
         nonempty = seen > 0
         denom = jnp.where(l > 0, l, 1.0)
@@ -318,7 +352,7 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, config
     rec_bf16 = lax.bitcast_convert_type(records.reshape(n, RECORD_BYTES // 2, 2), jnp.bfloat16)
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = functools.partial(_kernel, num_records=n, top_k=kp, block_k=block_k, copy_warps=config.copy_warps,
-                               interpret=bool(interpret))
+                               split=config.split_scores, interpret=bool(interpret))
     extra = {"interpret": interpret} if interpret else {}
     out, lse = plgpu.kernel(
         kernel,
@@ -332,10 +366,13 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, config
             plgpu.SMEM((block_k, ROPE_DIM + ROW_PAD_BYTES // 2), jnp.bfloat16),
             plgpu.SMEM((block_k, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((NUM_PARTS, block_k), jnp.float32),
+            plgpu.SMEM((HEADS_PER_CTA, block_k + ROW_PAD_BYTES // 2), jnp.bfloat16),
+            plgpu.SMEM((2, HEADS_PER_CTA), jnp.float32),
+            plgpu.SMEM((6, HEADS_PER_CTA), jnp.float32),
             plgpu.Barrier(num_arrivals=1, num_barriers=2),
             plgpu.Barrier(num_arrivals=COPIES_PER_ROW * block_k // config.copy_warps,
                           num_barriers=config.copy_warps),
-            plgpu.Barrier(num_arrivals=2, num_barriers=3),
+            plgpu.Barrier(num_arrivals=2, num_barriers=6),
         ],
         # Lane semantics (jax 0.11's default is Warpgroup, whose layout inference cannot place
         # the 1-D index and scale vectors): the layouts are the kernel's own
