@@ -294,6 +294,23 @@ def test_the_automatic_choice_is_a_kernel_where_one_runs_compiled(device, name, 
     assert set(sparse_mla.IMPLEMENTATIONS) == {"pallas_mosaic_gpu", "pallas_triton", "xla"}
 
 
+@pytest.mark.parametrize("device, name, heads, top_k, interpret, chosen", [
+    (FakeDevice(), "fp8_ds_mla", 64, 2048, False, "pallas_mosaic_gpu"),
+    (FakeDevice(), "fp8_ds_mla", 128, 2048, False, "pallas_mosaic_gpu"),
+    (FakeDevice(), "fp8_ds_mla", 32, 2048, False, "pallas_triton"),
+    (FakeDevice(), "nvfp4_ds_mla", 64, 2048, False, "pallas_triton"),     # records it does not read
+    (FakeDevice(), "fp8_ds_mla", 64, 8192, False, "pallas_triton"),       # a top-k past its SMEM
+    (FakeDevice(compute_capability="8.0"), "fp8_ds_mla", 64, 2048, False, "pallas_triton"),
+    (FakeDevice(platform="cpu"), "fp8_ds_mla", 64, 2048, True, "pallas_triton"),
+])
+def test_many_heads_put_the_mosaic_kernel_first(device, name, heads, top_k, interpret, chosen):
+    """From MOSAIC_FIRST_HEADS heads on, compiled on a GPU, the Mosaic GPU kernel comes first where
+    it runs; the next of the default order takes its place where it does not."""
+    fmt = formats.get(name)
+    assert sparse_mla.attention_implementation(name, device, (1 << 30) // fmt.record_bytes, 64, heads, top_k,
+                                               interpret=interpret) == chosen
+
+
 def test_full_ckv_attention_runs_the_kernel(kernel_mode):
     """The full-CKV path with the Pallas kernel (each rank its heads) against the oracle: two CPU
     ranks interpreted, every GPU compiled."""

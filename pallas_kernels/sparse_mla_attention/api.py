@@ -7,9 +7,12 @@ any backend).  `implementation=None` takes the measured order for the device and
 (`pallas_kernels.tuning`, op "sparse_mla_attention"; no device kind has one yet), else
 DEFAULT_ORDER: a kernel wherever one runs compiled (a GPU; the Mosaic GPU kernel only for
 fp8_ds_mla records), XLA elsewhere.  Triton comes first: it reads every format, and at 16 heads
-it is the faster of the two on fp8 records (46.6 against 35.9 TFLOP/s on the H200); at 64 heads
-the Mosaic GPU kernel is (147.6 against 85.8; BENCHMARKS.md), which a measured table for the
-device, or `implementation="pallas_mosaic_gpu"`, picks.
+it is the faster of the two on fp8 records (46.6 against 35.9 TFLOP/s on the H200).  From
+MOSAIC_FIRST_HEADS heads a call on, compiled on a GPU, the Mosaic GPU kernel comes first for the
+records it reads (147.6 against 85.8 at 64 heads; BENCHMARKS.md): its CTA always computes 64
+heads, so its time does not fall with fewer, while Triton's does.  The work a measured table is
+keyed by (FLOPs) does not tell these apart (a decode step of 128 heads has less work than a
+prefill chunk of 16), so the head count decides, and a measured order still comes first.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import compat, selection
+from pallas_kernels import compat, selection, tuning
 from pallas_kernels.record_layout import RecordLayout
 from pallas_kernels.sparse_mla_attention import pallas_mosaic_gpu, pallas_triton
 from pallas_kernels.sparse_mla_attention.pallas_mosaic_gpu import MosaicAttentionTiles
@@ -26,6 +29,9 @@ from pallas_kernels.sparse_mla_attention.pallas_triton import AttentionTiles
 from pallas_kernels.sparse_mla_attention.reference import attention_blocked
 
 DEFAULT_ORDER = ("pallas_triton", "pallas_mosaic_gpu", "xla")
+# the order from this many heads a call on (32 heads was not measured)
+MOSAIC_FIRST_HEADS = 64
+MANY_HEADS_ORDER = ("pallas_mosaic_gpu", "pallas_triton", "xla")
 
 
 def reading(layout: RecordLayout) -> tuple[str, ...]:
@@ -93,7 +99,13 @@ def select(implementation: str | Sequence[str] | None, device: jax.Device, layou
            config: AttentionTiles | MosaicAttentionTiles | None = None) -> selection.Selected:
     """The implementation (and tiles) `sparse_mla_attention` runs for these records and this
     shape on `device`; the Mosaic GPU kernel is left out of the automatic order for records it
-    does not read."""
+    does not read, and comes first (compiled on a GPU, without a measured order) from
+    MOSAIC_FIRST_HEADS heads on where a token's top-k fits its SMEM."""
     skip = tuple(name for name in SPARSE_MLA_ATTENTION.names if name not in reading(layout))
-    return SPARSE_MLA_ATTENTION.select(implementation, device, records_bytes, flops(num_tokens, num_heads, top_k, layout),
-                                       interpret=interpret, config=config, skip=skip)
+    work = flops(num_tokens, num_heads, top_k, layout)
+    if (implementation is None and num_heads >= MOSAIC_FIRST_HEADS and "pallas_mosaic_gpu" not in skip
+            and top_k <= pallas_mosaic_gpu.MAX_TOP_K and compat.on_gpu(device) and not interpret
+            and not tuning.lookup(SPARSE_MLA_ATTENTION.name, device, work).order):
+        implementation = MANY_HEADS_ORDER           # named: the others stay the fallback
+    return SPARSE_MLA_ATTENTION.select(implementation, device, records_bytes, work, interpret=interpret,
+                                       config=config, skip=skip)
