@@ -73,15 +73,18 @@ class KernelOp:
                          f"got {name!r}")
 
     def candidates(self, implementation: str | Sequence[str] | None, device: jax.Device,
-                   work_bytes: int, skip: Sequence[str] = ()) -> tuple[tuple[str, ...], tuning.Entry]:
+                   work_bytes: int, skip: Sequence[str] = (),
+                   default_order: Sequence[str] | None = None) -> tuple[tuple[str, ...], tuning.Entry]:
         """The names to try in order, and the measured entry for `work_bytes` on `device`.
 
-        skip: names left out of the automatic order (a heuristic for shapes the measured table
-        does not cover); a caller who names one still gets it."""
+        skip: names left out of the automatic order, and default_order: the order after the
+        measured one instead of the op's (heuristics for shapes the measured table does not
+        cover); a caller who names implementations still gets them."""
         entry = tuning.lookup(self.name, device, work_bytes)
         if implementation is None:
             tuned = tuple(n for n in entry.order if n not in skip)
-            return tuned + tuple(n for n in self.default_order if n not in tuned and n not in skip), entry
+            rest = self.default_order if default_order is None else default_order
+            return tuned + tuple(n for n in rest if n not in tuned and n not in skip), entry
         if isinstance(implementation, str):
             return (implementation,), entry
         if not isinstance(implementation, (tuple, list)) or not all(isinstance(n, str) for n in implementation):
@@ -89,11 +92,12 @@ class KernelOp:
         return tuple(implementation), entry
 
     def select(self, implementation: str | Sequence[str] | None, device: jax.Device, buffer_bytes: int,
-               work_bytes: int, *, interpret: bool = False, config=None, skip: Sequence[str] = ()) -> Selected:
+               work_bytes: int, *, interpret: bool = False, config=None, skip: Sequence[str] = (),
+               default_order: Sequence[str] | None = None) -> Selected:
         """The first supported implementation of the candidates on `device` (see `candidates`),
         with `config` if given, else the measured tiles for `work_bytes`, else None (the kernel's
         default).  buffer_bytes: the largest buffer the kernel addresses (the cache)."""
-        names, entry = self.candidates(implementation, device, work_bytes, skip)
+        names, entry = self.candidates(implementation, device, work_bytes, skip, default_order)
         reasons = []
         for name in names:
             impl = self.implementation(name)

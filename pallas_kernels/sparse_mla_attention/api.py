@@ -21,7 +21,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import compat, selection, tuning
+from pallas_kernels import compat, selection
 from pallas_kernels.record_layout import RecordLayout
 from pallas_kernels.sparse_mla_attention import pallas_mosaic_gpu, pallas_triton
 from pallas_kernels.sparse_mla_attention.pallas_mosaic_gpu import MosaicAttentionTiles
@@ -102,10 +102,8 @@ def select(implementation: str | Sequence[str] | None, device: jax.Device, layou
     does not read, and comes first (compiled on a GPU, without a measured order) from
     MOSAIC_FIRST_HEADS heads on where a token's top-k fits its SMEM."""
     skip = tuple(name for name in SPARSE_MLA_ATTENTION.names if name not in reading(layout))
-    work = flops(num_tokens, num_heads, top_k, layout)
-    if (implementation is None and num_heads >= MOSAIC_FIRST_HEADS and "pallas_mosaic_gpu" not in skip
-            and top_k <= pallas_mosaic_gpu.MAX_TOP_K and compat.on_gpu(device) and not interpret
-            and not tuning.lookup(SPARSE_MLA_ATTENTION.name, device, work).order):
-        implementation = MANY_HEADS_ORDER           # named: the others stay the fallback
-    return SPARSE_MLA_ATTENTION.select(implementation, device, records_bytes, work, interpret=interpret,
-                                       config=config, skip=skip)
+    many_heads = (num_heads >= MOSAIC_FIRST_HEADS and "pallas_mosaic_gpu" not in skip
+                  and top_k <= pallas_mosaic_gpu.MAX_TOP_K and compat.on_gpu(device) and not interpret)
+    return SPARSE_MLA_ATTENTION.select(implementation, device, records_bytes, flops(num_tokens, num_heads, top_k, layout),
+                                       interpret=interpret, config=config, skip=skip,
+                                       default_order=MANY_HEADS_ORDER if many_heads else None)
