@@ -36,6 +36,7 @@ case).  Per row:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -91,7 +92,10 @@ class Workload:
             # only when asked: an adapter older than the option (adapter_trace --code) runs too
             **({} if self.native_signal else dict(native_signal=False)))
 
-    def write(self, layer: int):
+    def write(self, layer: int, indexer=None):
+        """The layer's cache write, after the indexer's compute (`layers`) when given."""
+        if indexer is not None:
+            indexer()
         self.caches[layer].view(-1, FMT.record_bytes).index_copy_(0, self.slots, self.records)
 
     def begin_step(self, adapter) -> bool:
@@ -118,25 +122,19 @@ class Workload:
             if compute is not None:
                 compute()
             if adapter is None:
-                if indexer is not None:
-                    indexer()
-                self.write(layer)
+                self.write(layer, indexer)
                 self.stand_in[:1].sum()                   # the consumer's own kernels, over no workspace
                 continue
             if jax_events is not None:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(adapter.events.jax_stream)
             if not self.mark_before_write:
-                if indexer is not None:
-                    indexer()
-                self.write(layer)
+                self.write(layer, indexer)
             t0 = time.perf_counter()
             adapter.set_current_chunk(*self.latents)     # the latents are final
             t1 = time.perf_counter()
             if self.mark_before_write:
-                if indexer is not None:
-                    indexer()
-                self.write(layer)
+                self.write(layer, indexer)
             t2 = time.perf_counter()
             ws = adapter.gather(layer, cache)
             if host is not None:
@@ -162,12 +160,19 @@ def event_ms(fn, before=None) -> float:
     return start.elapsed_time(end)
 
 
-def compute_kernels(target_ms: float) -> dict:
-    """kind -> a function that queues about target_ms of that compute on torch's current stream."""
+@functools.cache
+def _compute_rates() -> tuple[float, torch.Tensor, float]:
+    """(ms per sleep cycle, the matmul operand, ms per matmul), measured once per process."""
     cycles = 10_000_000
     per_cycle_ms = statistics.median(event_ms(lambda: torch.cuda._sleep(cycles)) for _ in range(3)) / cycles
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     per_matmul_ms = statistics.median(event_ms(lambda: [a @ a for _ in range(20)]) for _ in range(3)) / 20
+    return per_cycle_ms, a, per_matmul_ms
+
+
+def compute_kernels(target_ms: float) -> dict:
+    """kind -> a function that queues about target_ms of that compute on torch's current stream."""
+    per_cycle_ms, a, per_matmul_ms = _compute_rates()
     sleep_cycles = max(1, round(target_ms / per_cycle_ms))
     reps = max(1, round(target_ms / per_matmul_ms))
     return {"sleep": lambda: torch.cuda._sleep(sleep_cycles), "matmul": lambda: [a @ a for _ in range(reps)]}
@@ -253,22 +258,24 @@ def torch_stream(kind: str) -> torch.cuda.Stream:
     raise ValueError(f"streams: expected names of {STREAMS}, got {kind!r}")
 
 
+_bump = jax.jit(lambda v: v + 1)         # the host probe's trivial program, compiled once
+
+
 def host_probe_us(calls: int = 300) -> dict:
     """The host's speed now: median us of one dispatch of a trivial jitted program (its result
     dropped; JAX queues it) and of one small torch op, each over `calls` calls in a loop."""
     x = jax.device_put(np.zeros(1, np.float32))
-    bump = jax.jit(lambda v: v + 1)
     t = torch.zeros(1, device="cuda")
-    jax.block_until_ready(bump(x))
+    jax.block_until_ready(_bump(x))
     out = {}
-    for name, fn in (("jax", lambda: bump(x)), ("torch", lambda: t.add(1))):
+    for name, fn in (("jax", lambda: _bump(x)), ("torch", lambda: t.add(1))):
         times = []
         for _ in range(calls):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
         out[name] = 1e6 * statistics.median(times)
-    jax.block_until_ready(bump(x))
+    jax.block_until_ready(_bump(x))
     torch.cuda.synchronize()
     return out
 
