@@ -253,20 +253,21 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
             # lives across the wgmmas but the scores themselves (the accumulators already take
             # 128 registers a thread): the scales and the mask are per-column vectors, broadcast
             # where they are used
-            key0 = pos0 + w * num_keys if split else pos0
-            keys = pl.ds(w * num_keys if split else 0, num_keys)
+            first_key = w * num_keys if split else 0
+            keys = pl.ds(first_key, num_keys)
 
             def scores(cols):
                 return scores_of(q_smem.at[:, cols], k_smem.at[keys, cols])
 
-            def part_scale(p, columns, n):
-                return lax.broadcast_in_dim(load(scales_smem.at[p, columns], cols_of), (HEADS_PER_CTA, n), (1,))
+            def part_scale(p, columns):
+                return lax.broadcast_in_dim(load(scales_smem.at[p, columns], cols_of),
+                                            (HEADS_PER_CTA, columns.size), (1,))
 
             s = scores(pl.ds(NOPE_DIM, ROPE_DIM))
             for p in range(NUM_PARTS):
-                s = s + scores(pl.ds(p * PART, PART)) * part_scale(p, keys, num_keys)
-            s_rows = load(idx_smem.at[pl.ds(key0, num_keys)], cols_of)
-            s_pos = key0 + iota((num_keys,), 0, cols_of)
+                s = s + scores(pl.ds(p * PART, PART)) * part_scale(p, keys)
+            s_rows = load(idx_smem.at[pl.ds(pos0 + first_key, num_keys)], cols_of)
+            s_pos = pos0 + first_key + iota((num_keys,), 0, cols_of)
             s_ok = lax.broadcast_in_dim(entry_ok(s_pos, s_rows), (HEADS_PER_CTA, num_keys), (1,))
             seen = jnp.maximum(seen, jnp.max(jnp.where(s_ok, 1.0, 0.0), axis=1))
             s = jnp.where(s_ok, s * sm_scale, -jnp.inf)                    # f32[64, num_keys]
@@ -288,7 +289,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
                 p_ = load(p_smem.at[:, pl.ds(0, block_k)], wgmma).astype(jnp.float32)
             new_accs = []
             for acc, p in zip(accs, own):
-                weights = (p_ * part_scale(p, pl.ds(0, block_k), block_k)).astype(jnp.bfloat16)
+                weights = (p_ * part_scale(p, pl.ds(0, block_k))).astype(jnp.bfloat16)
                 acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
                 new_accs.append(accumulate(acc, weights, k_smem.at[:, pl.ds(p * PART, PART)]))
             plgpu.wgmma_wait(0)
