@@ -274,41 +274,34 @@ def test_the_xla_implementation_bounds_its_temporaries():
     assert temp <= 4 * 2 ** 30, f"{temp / 2 ** 30:.1f} GiB of temporaries"
 
 
-@pytest.mark.parametrize("device, name, records_bytes, interpret, chosen", [
-    (FakeDevice(), "fp8_ds_mla", 1 << 30, False, "pallas_triton"),
-    (FakeDevice(), "nvfp4_ds_mla", 1 << 30, False, "pallas_triton"),
+@pytest.mark.parametrize("device, name, records_bytes, heads, top_k, interpret, chosen", [
+    (FakeDevice(), "fp8_ds_mla", 1 << 30, 16, 2048, False, "pallas_triton"),
+    (FakeDevice(), "nvfp4_ds_mla", 1 << 30, 16, 2048, False, "pallas_triton"),
     # Triton cannot address a u8 buffer of 2-4 GiB: the Mosaic GPU kernel where it reads the records
-    (FakeDevice(), "fp8_ds_mla", 3 << 30, False, "pallas_mosaic_gpu"),
-    (FakeDevice(), "bf16", 3 << 30, False, "xla"),
-    (FakeDevice(compute_capability="8.0"), "fp8_ds_mla", 3 << 30, False, "xla"),
-    (FakeDevice(), "fp8_ds_mla", 5 << 30, False, "pallas_triton"),
-    (FakeDevice(platform="cpu"), "fp8_ds_mla", 1 << 30, False, "xla"),
-    (FakeDevice(platform="cpu"), "fp8_ds_mla", 1 << 20, True, "pallas_triton"),
+    (FakeDevice(), "fp8_ds_mla", 3 << 30, 16, 2048, False, "pallas_mosaic_gpu"),
+    (FakeDevice(), "bf16", 3 << 30, 16, 2048, False, "xla"),
+    (FakeDevice(compute_capability="8.0"), "fp8_ds_mla", 3 << 30, 16, 2048, False, "xla"),
+    (FakeDevice(), "fp8_ds_mla", 5 << 30, 16, 2048, False, "pallas_triton"),
+    (FakeDevice(platform="cpu"), "fp8_ds_mla", 1 << 30, 16, 2048, False, "xla"),
+    (FakeDevice(platform="cpu"), "fp8_ds_mla", 1 << 20, 16, 2048, True, "pallas_triton"),
+    # from MOSAIC_FIRST_HEADS heads on, compiled on a GPU, the Mosaic GPU kernel first where it
+    # runs; the next of the default order where it does not
+    (FakeDevice(), "fp8_ds_mla", 1 << 30, 64, 2048, False, "pallas_mosaic_gpu"),
+    (FakeDevice(), "fp8_ds_mla", 1 << 30, 128, 2048, False, "pallas_mosaic_gpu"),
+    (FakeDevice(), "fp8_ds_mla", 1 << 30, 32, 2048, False, "pallas_triton"),
+    (FakeDevice(), "nvfp4_ds_mla", 1 << 30, 64, 2048, False, "pallas_triton"),     # records it does not read
+    (FakeDevice(), "fp8_ds_mla", 1 << 30, 64, 8192, False, "pallas_triton"),       # a top-k past its SMEM
+    (FakeDevice(compute_capability="8.0"), "fp8_ds_mla", 1 << 30, 64, 2048, False, "pallas_triton"),
+    (FakeDevice(platform="cpu"), "fp8_ds_mla", 1 << 30, 64, 2048, True, "pallas_triton"),
 ])
-def test_the_automatic_choice_is_a_kernel_where_one_runs_compiled(device, name, records_bytes, interpret, chosen):
+def test_the_automatic_choice_is_a_kernel_where_one_runs_compiled(device, name, records_bytes, heads, top_k,
+                                                                   interpret, chosen):
     fmt = formats.get(name)
-    got = sparse_mla.attention_implementation(name, device, records_bytes // fmt.record_bytes, 64, 16, 2048,
+    got = sparse_mla.attention_implementation(name, device, records_bytes // fmt.record_bytes, 64, heads, top_k,
                                               interpret=interpret)
     assert got == chosen
     assert sparse_mla.attention_implementation(name, device, 1024, 64, 16, 2048, implementation="xla") == "xla"
     assert set(sparse_mla.IMPLEMENTATIONS) == {"pallas_mosaic_gpu", "pallas_triton", "xla"}
-
-
-@pytest.mark.parametrize("device, name, heads, top_k, interpret, chosen", [
-    (FakeDevice(), "fp8_ds_mla", 64, 2048, False, "pallas_mosaic_gpu"),
-    (FakeDevice(), "fp8_ds_mla", 128, 2048, False, "pallas_mosaic_gpu"),
-    (FakeDevice(), "fp8_ds_mla", 32, 2048, False, "pallas_triton"),
-    (FakeDevice(), "nvfp4_ds_mla", 64, 2048, False, "pallas_triton"),     # records it does not read
-    (FakeDevice(), "fp8_ds_mla", 64, 8192, False, "pallas_triton"),       # a top-k past its SMEM
-    (FakeDevice(compute_capability="8.0"), "fp8_ds_mla", 64, 2048, False, "pallas_triton"),
-    (FakeDevice(platform="cpu"), "fp8_ds_mla", 64, 2048, True, "pallas_triton"),
-])
-def test_many_heads_put_the_mosaic_kernel_first(device, name, heads, top_k, interpret, chosen):
-    """From MOSAIC_FIRST_HEADS heads on, compiled on a GPU, the Mosaic GPU kernel comes first where
-    it runs; the next of the default order takes its place where it does not."""
-    fmt = formats.get(name)
-    assert sparse_mla.attention_implementation(name, device, (1 << 30) // fmt.record_bytes, 64, heads, top_k,
-                                               interpret=interpret) == chosen
 
 
 def test_full_ckv_attention_runs_the_kernel(kernel_mode):
