@@ -51,8 +51,9 @@ def cache_dir() -> Path:
 def compiler() -> str | None:
     """The C++ compiler: $CXX, else c++ or g++ on the PATH."""
     for name in (os.environ.get("CXX"), "c++", "g++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        path = name and shutil.which(name)
+        if path:
+            return path
     return None
 
 
