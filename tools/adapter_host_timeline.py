@@ -2,7 +2,7 @@
 inside a dispatch: argument parsing, PJRT's execute, each thunk's launch, the in-program
 callback, the completion callback).
 
-    python tools/adapter_host_timeline.py [--history N] [--depth D] [--prefetch-programs P] [--python] > out.txt
+    python tools/adapter_host_timeline.py [--history N] [--depth D] [--prefetch-programs P] [--python | --rounds R] > out.txt
 
 Runs `interop.bench.Workload` (one request, D = 1, fp8_ds_mla, 8 layers, 4 ms of
 `torch.cuda._sleep` per layer on torch's default stream, so the host runs far ahead of the GPU),
@@ -12,7 +12,9 @@ traced layers of the time its events take inside one `gather` (an event counts i
 parents of other names), then every event of two layers' `gather` with its offset, and the
 longer events of one `begin_step`.  The host tracer itself adds time to every event it records:
 compare pieces with each other, not with untraced timings.  With --python: cProfile of the same
-layer calls instead (the Python functions by their own time per layer).
+layer calls instead (the Python functions by their own time per layer).  With --rounds R: R traces
+of two steps each in one process, and per name its median inside one `gather` in every round,
+side by side (which piece moves when the host time of a layer moves between rounds).
 """
 from __future__ import annotations
 
@@ -64,20 +66,39 @@ def host_events(work: bench.Workload, adapter, compute, steps: int = 2) -> list[
     return sorted(main)
 
 
-def summary(events, shown=(9, 10)) -> str:
-    gathers = [e for e in events if e[2] == "layer.gather"]
+def per_name(events) -> dict[str, list[float]]:
+    """name -> the us its events take inside each traced `gather` (an event inside one of the same
+    name, as jit's two nested PjitFunction, counts once), with "= layer.gather" the calls themselves."""
     per = collections.defaultdict(list)
-    lines = []
-    for i, (start, dur, _) in enumerate(gathers):
+    for start, dur, _ in (e for e in events if e[2] == "layer.gather"):
         inside = [e for e in events if e[0] >= start and e[0] + e[1] <= start + dur and e[2] != "layer.gather"]
         sums = collections.Counter()
-        for e in inside:         # an event inside one of the same name (jit's two PjitFunction) counts once
+        for e in inside:
             if not any(o is not e and o[2] == e[2] and o[0] <= e[0] and e[0] + e[1] <= o[0] + o[1] for o in inside):
                 sums[e[2]] += e[1]
         for name, ns in sums.items():
             per[name].append(ns / 1e3)
         per["= layer.gather"].append(dur / 1e3)
+    return per
+
+
+def rounds_table(rounds: list[dict[str, list[float]]], least_us: float = 3.0) -> str:
+    """Per name (median of at least `least_us` in some round), its median in each round."""
+    medians = [{k: statistics.median(v) for k, v in r.items() if v} for r in rounds]
+    names = sorted({k for m in medians for k, v in m.items() if v >= least_us},
+                   key=lambda k: -max(m.get(k, 0.0) for m in medians))
+    lines = ["us per gather (median of each round's traced layers), one column per round"]
+    lines += [" ".join(f"{m.get(k, float('nan')):7.1f}" for m in medians) + f"  {k[:90]}" for k in names]
+    return "\n".join(lines)
+
+
+def summary(events, shown=(9, 10)) -> str:
+    gathers = [e for e in events if e[2] == "layer.gather"]
+    per = per_name(events)
+    lines = []
+    for i, (start, dur, _) in enumerate(gathers):
         if i in shown:
+            inside = [e for e in events if e[0] >= start and e[0] + e[1] <= start + dur and e[2] != "layer.gather"]
             lines.append(f"-- gather of traced layer {i}: {dur / 1e3:.1f} us")
             lines += [f"   +{(e[0] - start) / 1e3:7.1f} {e[1] / 1e3:7.1f}  {e[2][:110]}" for e in inside]
     for name in ("layer.set_current_chunk", "step.begin_step"):
@@ -143,6 +164,8 @@ def main(argv=None) -> int:
                     help="persistent programs of a prefetch's pack (default: the full grid)")
     ap.add_argument("--python", action="store_true",
                     help="cProfile the layer calls' Python instead of tracing with JAX's profiler")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="trace this many times and compare the pieces' medians between the traces")
     args = ap.parse_args(argv)
     if not (torch.cuda.is_available() and jax.default_backend() == "gpu"):
         print("adapter_host_timeline needs torch and JAX on a CUDA GPU", file=sys.stderr)
@@ -154,6 +177,9 @@ def main(argv=None) -> int:
     if args.python:
         adapter = work.adapter(args.depth, args.prefetch_programs)
         print(python_profile(work, adapter, compute))
+    elif args.rounds:
+        adapter = annotated(work.adapter(args.depth, args.prefetch_programs))
+        print(rounds_table([per_name(host_events(work, adapter, compute)) for _ in range(args.rounds)]))
     else:
         adapter = annotated(work.adapter(args.depth, args.prefetch_programs))
         print(summary(host_events(work, adapter, compute)))
