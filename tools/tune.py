@@ -277,13 +277,14 @@ def sweep_attention(names, log, results, heads_list=ATTENTION_HEADS, implementat
             variants = [(impl, cfg) for impl, configs in SWEPT_ATTENTION.items() for cfg in configs
                         if (implementations is None or impl in implementations) and impl in reading(fmt.layout)
                         and attention_op.implementation(impl).supported_on(jax.devices()[0], records.size, False)[0]]
+            calls = [(q, records, indices, counts) for q, indices, counts in inputs]   # the table as an argument
             for impl, cfg in variants:
-                def op(q, indices, counts, impl=impl, cfg=cfg):
+                def op(q, records, indices, counts, impl=impl, cfg=cfg):
                     return sparse_mla_attention.sparse_mla_attention(q, records, indices, counts, 576 ** -0.5,
                                                                      layout=fmt.layout, implementation=impl,
                                                                      config=cfg)
-                exact = bench.agrees(jax.jit(op)(*inputs[0]), reference)
-                timing = measure_pure(op, inputs)
+                exact = bench.agrees(jax.jit(op)(*calls[0]), reference)
+                timing = measure_pure(op, calls)
                 row = dict(op="sparse_mla_attention", format=name, size=work, implementation=impl,
                            config=dataclasses.asdict(cfg), bytes_moved=work, exact=exact, us=timing.seconds * 1e6,
                            heads=heads, tflops=work / timing.seconds / 1e12)
