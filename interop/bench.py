@@ -15,7 +15,8 @@ ordering machinery alone) and `matmul` (bf16 matmuls that fill every SM: the rea
 case).  Per row:
 
   gather_ms_per_layer  the GPU time of a layer's JAX work: events on JAX's compute stream around
-                       each depth-0 layer's calls, without compute (median over layers and trials)
+                       each depth-0 layer's calls, without compute, the span opened once the host
+                       has queued the calls' work (median over layers and trials)
   compute_only_ms      the same step with the adapter calls left out (compute, cache writes, and
                        the consumer's kernels over a stand-in row)
   step_ms              CUDA events on torch's stream around the step's layer loop (median of
@@ -126,6 +127,11 @@ class Workload:
                 self.stand_in[:1].sum()                   # the consumer's own kernels, over no workspace
                 continue
             if jax_events is not None:
+                # the span opens after 1 ms of torch's sleep, which JAX's stream waits for: by then
+                # the host has queued the layer's JAX work, so the span is its GPU time, not the
+                # host's time to dispatch it (which a slow host would put in the span)
+                compute_kernels(1.0)["sleep"]()
+                adapter.events.jax_after_torch(adapter.events.torch_stream())
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(adapter.events.jax_stream)
             if not self.mark_before_write:
