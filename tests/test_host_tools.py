@@ -1,0 +1,60 @@
+"""The torch adapter's host-time tools (maintainer tools, not installed): the per-name medians
+of a traced gather, their table across rounds, and the per-thread CPU accounting."""
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
+import adapter_host_drift  # noqa: E402
+import adapter_host_timeline  # noqa: E402
+
+
+def test_per_name_sums_each_gathers_pieces_and_counts_nested_repeats_once():
+    us = 1000                                                  # events are in ns
+    events = sorted([
+        (0, 100 * us, "layer.gather"),
+        (10 * us, 60 * us, "PjitFunction(layer_program)"),
+        (11 * us, 58 * us, "PjitFunction(layer_program)"),    # jit's nested twin: counted once
+        (20 * us, 5 * us, "cuLaunchKernelEx"),
+        (40 * us, 7 * us, "cuLaunchKernelEx"),                 # two launches in one gather: summed
+        (150 * us, 3 * us, "cuLaunchKernelEx"),                # between the gathers: no gather's
+        (200 * us, 80 * us, "layer.gather"),
+        (210 * us, 9 * us, "cuLaunchKernelEx"),
+        (300 * us, 50 * us, "layer.set_current_chunk"),        # outside every gather
+    ])
+    per = adapter_host_timeline.per_name(events)
+    assert per["= layer.gather"] == [100.0, 80.0]
+    assert per["PjitFunction(layer_program)"] == [60.0]
+    assert per["cuLaunchKernelEx"] == [12.0, 9.0]
+    assert "layer.set_current_chunk" not in per
+
+
+def test_rounds_table_lists_the_pieces_above_the_floor_in_any_round():
+    rounds = [{"= layer.gather": [200.0, 210.0], "ffi_call": [4.0, 6.0], "tiny": [1.0]},
+              {"= layer.gather": [390.0], "ffi_call": [8.0], "tiny": [2.0], "late": [3.5]}]
+    lines = adapter_host_timeline.rounds_table(rounds).splitlines()
+    assert lines[1].split() == ["205.0", "390.0", "=", "layer.gather"]     # the largest first
+    assert lines[2].split() == ["5.0", "8.0", "ffi_call"]
+    assert lines[3].split() == ["nan", "3.5", "late"]                        # missing in round 0
+    assert not any(line.endswith("tiny") for line in lines)                  # under 3 us in every round
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread accounting reads Linux's /proc")
+def test_cpu_account_charges_the_spinning_thread():
+    account = adapter_host_drift.CpuAccount()
+
+    def spin():
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            pass
+        return "done"
+    assert account.span(spin) == "done"
+    name, _ = adapter_host_drift.thread_cpu_ns()[threading.get_native_id()]
+    assert name == Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+    # the spinning thread was on a CPU for most of the span, even on a loaded 2-core machine
+    assert 0.2 * account.wall_ns < account.by_name[name] < 2 * account.wall_ns
+    assert account.wall_ns >= 0.3e9 and account.steal >= 0
+    assert account.lines()[0].startswith(f"threads on a CPU: {name} ")
