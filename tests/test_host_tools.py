@@ -57,4 +57,4 @@ def test_cpu_account_charges_the_spinning_thread():
     # the spinning thread was on a CPU for most of the span, even on a loaded 2-core machine
     assert 0.2 * account.wall_ns < account.by_name[name] < 2 * account.wall_ns
     assert account.wall_ns >= 0.3e9 and account.steal >= 0
-    assert account.lines()[0].startswith(f"threads on a CPU: {name} ")
+    assert account.summary().startswith(f"threads on a CPU: {name} ")

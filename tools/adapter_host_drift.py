@@ -100,11 +100,11 @@ class CpuAccount:
             self.by_name[name] += ns - before.get(tid, (name, 0))[1]
         return result
 
-    def lines(self, shown: int = 6) -> list[str]:
+    def summary(self, shown: int = 6) -> str:
         tick_ns = 1e9 / os.sysconf("SC_CLK_TCK")
         cells = [f"{name} {100 * ns / self.wall_ns:.0f}%" for name, ns in self.by_name.most_common(shown)]
-        return [f"threads on a CPU: {', '.join(cells)}; steal {100 * self.steal * tick_ns / self.wall_ns:.0f}% "
-                f"of one CPU ({self.wall_ns / 1e9:.2f} s of loops)"]
+        return (f"threads on a CPU: {', '.join(cells)}; steal {100 * self.steal * tick_ns / self.wall_ns:.0f}% "
+                f"of one CPU ({self.wall_ns / 1e9:.2f} s of loops)")
 
 
 def probe_us(adapter, queued: bool, calls: int = 50) -> float:
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
             v = [row[key] for row in rows]
             cells.append(f"{key} {statistics.median(v):6.1f} [{min(v):6.1f}, {max(v):6.1f}]")
         print(f"{condition:>9}  " + "  ".join(cells))
-        print(" " * 11 + accounts[condition].lines()[0])
+        print(" " * 11 + accounts[condition].summary())
     return 0
 
 
