@@ -4,7 +4,8 @@
 # Stages (default all, in this order): env tests examples (with the demo) trace interop writer
 # gather patch prefill attention sanitizer plot.  KERNEL_ARGS / PREFILL_ARGS / ATTENTION_ARGS /
 # PYTEST_ARGS override the sweeps and the test selection (default: the GPU tests, `-m gpu`).  Extra stages, run only when named: tune (the
-# tuning sweep, TUNE_ARGS), ncu (Nsight Compute on our kernels and torch's, NCU_RUNS); NCU_SECTIONS
+# tuning sweep, TUNE_ARGS), host (the adapter's host time by round and condition, and by piece inside a
+# dispatch per round), ncu (Nsight Compute on our kernels and torch's, NCU_RUNS); NCU_SECTIONS
 # and NCU_FORMAT override the ncu sections and the record format.  TRACE_BEFORE=DIR adds the
 # adapter's kernel timeline of another checkout (e.g. an older commit) beside this one's.
 # INTEROP_ARGS overrides the torch adapter benchmark's matrix.  SANITIZER_TESTS narrows the
@@ -23,6 +24,11 @@ if want examples; then
   step "torch engine example" 90 python examples/torch_engine.py 2>&1 | tee "$OUT/example_torch_engine.txt"
   step "flax example" 90 python examples/flax_mla.py --dcp 1 2>&1 | tee "$OUT/example_flax.txt"
   step "demo" 120 python -m ckv_jax.cli demo --dcp 1 2>&1 | tee "$OUT/demo.txt"
+fi
+if want host; then
+  step "adapter host time by round" 150 python tools/adapter_host_drift.py 2>&1 | tee "$OUT/host_drift.txt"
+  step "adapter host pieces by round" 150 python tools/adapter_host_timeline.py --history 262144 --depth 2 \
+    --prefetch-programs 66 --rounds 8 2>&1 | tee "$OUT/host_rounds.txt"
 fi
 want tune && step "tuning sweep" ${TUNE_TIMEOUT:-420} python tools/tune.py ${TUNE_ARGS:-} \
   --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.txt"
