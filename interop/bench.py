@@ -114,11 +114,12 @@ class Workload:
             self.begin_step(adapter)
         self.layers(adapter, compute, host, jax_events)
 
-    def layers(self, adapter, compute=None, host=None, jax_events=None, indexer=None):
+    def layers(self, adapter, compute=None, host=None, jax_events=None, indexer=None, after_layer=None):
         """The layer loop of a begun step (adapter None: compute and cache writes only).  host: a
         list that receives each layer's adapter host time; jax_events: a list that receives
         (start, end) events recorded on JAX's stream around each layer's calls; indexer: compute
-        queued just before the cache write (after the latents' mark, unless marked after the write)."""
+        queued just before the cache write (after the latents' mark, unless marked after the write);
+        after_layer: called at the end of each layer with an adapter, untimed."""
         for layer, cache in enumerate(self.caches):
             if compute is not None:
                 compute()
@@ -151,6 +152,8 @@ class Workload:
                 jax_events.append((start, end))
             ws[:1].sum()                                  # the layer's consumer: ordered after the gather
             del ws
+            if after_layer is not None:
+                after_layer()
 
 
 def event_ms(fn, before=None) -> float:
@@ -267,12 +270,15 @@ def torch_stream(kind: str) -> torch.cuda.Stream:
 _bump = jax.jit(lambda v: v + 1)         # the host probe's trivial program, compiled once
 
 
-def host_probe_us(calls: int = 300) -> dict:
+def host_probe_us(calls: int = 300, before=None) -> dict:
     """The host's speed now: median us of one dispatch of a trivial jitted program (its result
-    dropped; JAX queues it) and of one small torch op, each over `calls` calls in a loop."""
+    dropped; JAX queues it) and of one small torch op, each over `calls` calls in a loop.
+    before: called once before the loops (e.g. to queue them behind other work)."""
     x = jax.device_put(np.zeros(1, np.float32))
     t = torch.zeros(1, device="cuda")
     jax.block_until_ready(_bump(x))
+    if before is not None:
+        before()
     out = {}
     for name, fn in (("jax", lambda: _bump(x)), ("torch", lambda: t.add(1))):
         times = []

@@ -37,7 +37,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from ckv_jax import dcp_step  # noqa: E402
@@ -108,26 +107,24 @@ class CpuAccount:
 
 
 def probe_us(adapter, queued: bool, calls: int = 50) -> float:
-    """Median us of one trivial jitted dispatch; with `queued`, JAX's stream first waits for 5 ms
-    of torch's sleep, so every probe program waits in the queue."""
-    x = jax.device_put(np.zeros(1, np.float32), adapter.device)
-    torch.cuda.synchronize()
-    if queued:
+    """Median us of one trivial jitted dispatch (`interop.bench.host_probe_us`); with `queued`,
+    JAX's stream first waits for 5 ms of torch's sleep, so every probe program waits in the queue."""
+    def queue_behind_sleep():
         bench.compute_kernels(5.0)["sleep"]()
         adapter.events.jax_after_torch(adapter.events.torch_stream())
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        y = bench._bump(x)
-        times.append(time.perf_counter() - t0)
-    jax.block_until_ready(y)
-    torch.cuda.synchronize()
-    return 1e6 * statistics.median(times)
+    return bench.host_probe_us(calls, before=queue_behind_sleep if queued else None)["jax"]
 
 
 def run_condition(work, adapter, timed: TimedLayerProgram, condition: str, steps: int) -> dict:
-    compute = None if condition == "drained" else bench.compute_kernels(1.0)["sleep"]
+    """`steps` steps of the bench's layer loop in `condition`; the host times of its layers."""
+    drained = condition == "drained"
+    compute = None if drained else bench.compute_kernels(1.0)["sleep"]
     host, cpus = [], set()
+
+    def after_layer():
+        cpus.add(_sched_getcpu())
+        if drained:
+            torch.cuda.synchronize()
     first = len(timed.times)
     pinned = None
     if condition == "pinned":
@@ -141,21 +138,7 @@ def run_condition(work, adapter, timed: TimedLayerProgram, condition: str, steps
             if compute is not None:
                 compute()
             work.begin_step(adapter)
-            for layer, cache in enumerate(work.caches):
-                if compute is not None:
-                    compute()
-                cpus.add(_sched_getcpu())
-                t0 = time.perf_counter()
-                adapter.set_current_chunk(*work.latents)
-                t1 = time.perf_counter()
-                work.write(layer)
-                t2 = time.perf_counter()
-                ws = adapter.gather(layer, cache)
-                host.append(t1 - t0 + time.perf_counter() - t2)
-                ws[:1].sum()
-                del ws
-                if compute is None:
-                    torch.cuda.synchronize()
+            work.layers(adapter, compute, host, after_layer=after_layer)
             torch.cuda.synchronize()
     finally:
         if pinned is not None:
