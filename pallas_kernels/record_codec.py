@@ -152,6 +152,19 @@ def decode_nvfp4_pairs(layout: RecordLayout, packed: jnp.ndarray, scale_bytes: j
                  for codes in (packed & 0xF, packed >> 4))
 
 
+def split_even_odd(x: jnp.ndarray) -> jnp.ndarray:
+    """[..., n] -> [..., n]: the even elements, then the odd ones.  The order in which attention
+    kernels keep nvfp4 NoPE values (a byte's low and high nibbles land in the two halves), so
+    queries go in in this order and outputs come out in it (`join_even_odd`)."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+def join_even_odd(x: jnp.ndarray) -> jnp.ndarray:
+    """The inverse of `split_even_odd`: [..., n] as even elements then odd ones -> interleaved."""
+    n = x.shape[-1]
+    return x.reshape(*x.shape[:-1], 2, n // 2).swapaxes(-1, -2).reshape(x.shape)
+
+
 def split_segments(layout: RecordLayout, records: jnp.ndarray) -> tuple[jnp.ndarray, ...]:
     """uint8[T, record_bytes] -> one uint8[T, width] per segment (XLA slicing)."""
     return tuple(records[:, s.offset:s.offset + s.width] for s in layout.segments)

@@ -10,7 +10,7 @@ import pytest
 
 import ckv_jax
 import oracle
-from helpers import FakeDevice
+from helpers import FakeDevice, nvfp4_every_code_and_scale
 from ckv_jax import formats, sparse_mla
 from pallas_kernels import sparse_mla_attention as attention_op
 from pallas_kernels.sparse_mla_attention import AttentionTiles, MosaicAttentionTiles, pallas_triton, reference
@@ -18,7 +18,8 @@ from pallas_kernels.sparse_mla_attention import AttentionTiles, MosaicAttentionT
 NAMES = ["fp8_ds_mla", "nvfp4_ds_mla", "bf16"]
 N = 96                     # records
 K = 37                     # top-k columns: not a multiple of any tile
-MOSAIC = "fp8_ds_mla"      # the one format the Mosaic GPU kernel reads
+MOSAIC = "fp8_ds_mla"      # the format of the Mosaic GPU kernel's tests that run one format
+MOSAIC_NAMES = ["fp8_ds_mla", "nvfp4_ds_mla"]     # the formats it reads
 
 
 @np.errstate(invalid="ignore", over="ignore")
@@ -121,11 +122,11 @@ def test_a_nan_reaches_its_row_and_only_its_row(name, implementation):
     check_the_nan_rule(name, implementation)
 
 
-@pytest.mark.parametrize("split_scores", [False, True])
-def test_the_mosaic_kernel_keeps_the_nan_rule(split_scores, kernel_mode):
+@pytest.mark.parametrize("name, split_scores", [(MOSAIC, False), (MOSAIC, True), ("nvfp4_ds_mla", True)])
+def test_the_mosaic_kernel_keeps_the_nan_rule(name, split_scores, kernel_mode):
     """Either way of computing the scores: split, a NaN in one warpgroup's half must still reach
-    the other's output columns."""
-    check_the_nan_rule(MOSAIC, dict(implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret"),
+    the other's output columns (nvfp4: a NaN group scale of the second compute warpgroup's bytes)."""
+    check_the_nan_rule(name, dict(implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret"),
                        k=70, selected_column=40, config=MosaicAttentionTiles(split_scores=split_scores))
 
 
@@ -142,6 +143,8 @@ def check_the_nan_rule(name, implementation, k=K, selected_column=4, config=None
     indices[3, selected_column] = bad                     # row 3: selected
     if name == "bf16":
         records[bad, :2] = np.array([0x7FC0], np.uint16).view(np.uint8)          # a NaN latent
+    elif name == "nvfp4_ds_mla":
+        records[bad, 256 + 20] = 0x7F                                            # a NaN group scale
     else:
         records[bad, 512:516] = np.array([np.nan], np.float32).view(np.uint8)    # a NaN tile scale
     args = (jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices), jnp.asarray(counts), sm_scale)
@@ -179,40 +182,71 @@ def test_bad_input_is_named_before_anything_runs():
 
 
 @pytest.mark.parametrize("heads", [16, 128, 5])
-def test_the_mosaic_kernel_matches_the_oracle(heads, kernel_mode):
+@pytest.mark.parametrize("name", MOSAIC_NAMES)
+def test_the_mosaic_kernel_matches_the_oracle(name, heads, kernel_mode):
     """Heads padded to the CTA's 64 (5, 16) and two CTAs a token (128); K = 37 (one partial tile
     of 64), holes, rows outside [0, N), duplicates, counts 0 and 19."""
-    q, records, indices, counts, sm_scale = make_case(MOSAIC, 3, heads, seed=heads)
+    q, records, indices, counts, sm_scale = make_case(name, 3, heads, seed=heads)
     got = ckv_jax.sparse_mla_attention(jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices),
-                                       jnp.asarray(counts), sm_scale, format=MOSAIC, implementation="pallas_mosaic_gpu",
+                                       jnp.asarray(counts), sm_scale, format=name, implementation="pallas_mosaic_gpu",
                                        interpret=kernel_mode == "interpret")
     assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
-    assert_close(MOSAIC, got, oracle_attention(MOSAIC, q, records, indices, counts, sm_scale), f"mosaic H={heads}")
+    assert_close(name, got, oracle_attention(name, q, records, indices, counts, sm_scale), f"mosaic {name} H={heads}")
 
 
-@pytest.mark.parametrize("copy_warps, split_scores", [(1, False), (4, False), (4, True)])
-def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(copy_warps, split_scores, kernel_mode):
+@pytest.mark.parametrize("name, copy_warps, split_scores", [(MOSAIC, 1, False), (MOSAIC, 4, False), (MOSAIC, 4, True),
+                                                            ("nvfp4_ds_mla", 4, True)])
+def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(name, copy_warps, split_scores,
+                                                                            kernel_mode):
     """130 entries (three tiles of 64, the last partial) with scores in the tens: each tile's fp8
-    scale must multiply its own products, exactly; with the record copies issued by the memory
-    warpgroup as one and by its four warps (interpreted: one issuer over the four barriers), and
-    with the scores computed by both compute warpgroups or split between them."""
-    q, records, indices, counts, sm_scale = make_case(MOSAIC, 3, 16, seed=13, k=130)
+    scale (each group's nvfp4 scale) must multiply its own products, exactly; with the record
+    copies issued by the memory warpgroup as one and by its four warps (interpreted: one issuer
+    over the four barriers), and with the scores computed by both compute warpgroups or split
+    between them."""
+    q, records, indices, counts, sm_scale = make_case(name, 3, 16, seed=13, k=130)
     q = (q.astype(np.float32) * 16).astype(ml_dtypes.bfloat16)
-    want = oracle_attention(MOSAIC, q, records, indices, counts, sm_scale)
+    want = oracle_attention(name, q, records, indices, counts, sm_scale)
     assert np.abs(want[1][np.isfinite(want[1])]).max() > 40, "the case must reach large scores"
     got = attention_op.sparse_mla_attention(jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices),
-                                            jnp.asarray(counts), sm_scale, layout=formats.get(MOSAIC).layout,
+                                            jnp.asarray(counts), sm_scale, layout=formats.get(name).layout,
                                             implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret",
                                             config=MosaicAttentionTiles(copy_warps=copy_warps,
                                                                         split_scores=split_scores))
-    assert_close(MOSAIC, got, want, f"mosaic, three tiles, large scores, {copy_warps} copy issuer(s), "
+    assert_close(name, got, want, f"mosaic {name}, three tiles, large scores, {copy_warps} copy issuer(s), "
                                     f"split scores {split_scores}")
 
 
-def test_the_mosaic_kernel_is_named_for_fp8_records_only():
+def test_the_mosaic_kernel_decodes_every_nvfp4_code_and_scale(kernel_mode):
+    """Token t selects only record t of `nvfp4_every_code_and_scale` (every e2m1 code times every
+    e4m3 scale byte, subnormal and NaN ones included, at both parities; random finite RoPE), so
+    its output is that
+    record's values exactly (a softmax weight of 1; the products are exact in bf16), and a NaN
+    scale makes its row NaN."""
+    records = nvfp4_every_code_and_scale()
+    t = records.shape[0]
+    rng = np.random.default_rng(5)
+    # finite RoPE values instead of random bytes (a NaN or Inf there would poison its row too)
+    records[:, 304:] = rng.standard_normal((t, 64)).astype(ml_dtypes.bfloat16).view(np.uint8)
+    q = jnp.asarray(rng.standard_normal((t, 16, 576)) * 0.01, jnp.bfloat16)
+    indices = np.arange(t, dtype=np.int32)[:, None]
+    out, lse = ckv_jax.sparse_mla_attention(q, jnp.asarray(records), jnp.asarray(indices), jnp.ones(t, jnp.int32),
+                                            0.05, format="nvfp4_ds_mla", implementation="pallas_mosaic_gpu",
+                                            interpret=kernel_mode == "interpret")
+    values = oracle.decode("nvfp4_ds_mla", records)[:, :512]
+    nan_record = np.isnan(values).any(axis=1)
+    assert nan_record.sum() == 4
+    out = np.asarray(out.astype(jnp.float32))
+    np.testing.assert_array_equal(np.isnan(np.asarray(lse)), np.broadcast_to(nan_record[:, None], (t, 16)))
+    assert np.isnan(out[nan_record]).all()
+    want = np.broadcast_to(values[~nan_record][:, None, :], out[~nan_record].shape)
+    np.testing.assert_array_equal(out[~nan_record], want.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_the_mosaic_kernel_is_named_for_fp8_and_nvfp4_records_only():
     q, records, indices, counts, sm_scale = (jnp.asarray(a) if isinstance(a, np.ndarray) else a
                                              for a in make_case("bf16", 2, 16, seed=1))
-    with pytest.raises(ValueError, match="pallas_mosaic_gpu reads fp8_ds_mla records only"):
+    with pytest.raises(ValueError, match="pallas_mosaic_gpu reads fp8_ds_mla and nvfp4_ds_mla records, got records "
+                                         "of layout bf16"):
         ckv_jax.sparse_mla_attention(q, records, indices, counts, sm_scale, format="bf16",
                                      implementation="pallas_mosaic_gpu", interpret=True)
     q8, records8, indices8, counts8, _ = (jnp.asarray(a) if isinstance(a, np.ndarray) else a
@@ -233,18 +267,20 @@ def test_the_mosaic_kernel_is_named_for_fp8_records_only():
 
 def test_the_mosaic_kernel_lowers_for_cuda():
     """Both copy issuers lower for CUDA (the four-warp one runs on a GPU only: the interpreter has
-    no warp-level scopes), and they lower to different kernels."""
+    no warp-level scopes), and they lower to different kernels; so do both formats."""
     sds = jax.ShapeDtypeStruct
-    texts = []
-    for copy_warps in (1, 4):
+    texts = {}
+    for name, copy_warps in ((MOSAIC, 1), (MOSAIC, 4), ("nvfp4_ds_mla", 4)):
+        layout = formats.get(name).layout
         tiles = MosaicAttentionTiles(copy_warps=copy_warps)
-        texts.append(jax.jit(lambda q, r, i, c: attention_op.sparse_mla_attention_mosaic(q, r, i, c, 0.04,
-                                                                                          config=tiles)).trace(
-            sds((64, 64, 576), jnp.bfloat16), sds((4096, 656), jnp.uint8), sds((64, 2048), jnp.int32),
-            sds((64,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text())
-    for text in texts:
-        assert text.count("stablehlo.custom_call") == 1 and "ckv_sparse_mla_attention_mgpu_fp8" in text
-    assert texts[0] != texts[1]
+        texts[name, copy_warps] = jax.jit(lambda q, r, i, c: attention_op.sparse_mla_attention_mosaic(
+            q, r, i, c, 0.04, layout=layout, config=tiles)).trace(
+            sds((64, 64, 576), jnp.bfloat16), sds((4096, layout.record_bytes), jnp.uint8), sds((64, 2048), jnp.int32),
+            sds((64,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    for (name, _), text in texts.items():
+        kind = formats.get(name).layout.kind
+        assert text.count("stablehlo.custom_call") == 1 and f"ckv_sparse_mla_attention_mgpu_{kind}" in text
+    assert len(set(texts.values())) == 3
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -289,7 +325,8 @@ def test_the_xla_implementation_bounds_its_temporaries():
     (FakeDevice(), "fp8_ds_mla", 1 << 30, 64, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(), "fp8_ds_mla", 1 << 30, 128, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(), "fp8_ds_mla", 1 << 30, 32, 2048, False, "pallas_triton"),
-    (FakeDevice(), "nvfp4_ds_mla", 1 << 30, 64, 2048, False, "pallas_triton"),     # records it does not read
+    (FakeDevice(), "nvfp4_ds_mla", 1 << 30, 64, 2048, False, "pallas_mosaic_gpu"),
+    (FakeDevice(), "bf16", 1 << 30, 64, 2048, False, "pallas_triton"),             # records it does not read
     (FakeDevice(), "fp8_ds_mla", 1 << 30, 64, 8192, False, "pallas_triton"),       # a top-k past its SMEM
     (FakeDevice(compute_capability="8.0"), "fp8_ds_mla", 1 << 30, 64, 2048, False, "pallas_triton"),
     (FakeDevice(platform="cpu"), "fp8_ds_mla", 1 << 30, 64, 2048, True, "pallas_triton"),

@@ -11,7 +11,7 @@ rows), write_records (the Pallas Triton writer, `tokens` tokens to random slots 
 four times that size; the config is tokens_per_block:num_warps), and attention_triton /
 attention_mosaic (the sparse-MLA attention kernels, `tokens` query tokens of --heads heads with
 their own --top-k rows of a table of --rows records, the default configs; the Mosaic GPU kernel
-reads fp8_ds_mla only).  Every op runs once on inputs
+reads fp8_ds_mla and nvfp4_ds_mla).  Every op runs once on inputs
 built on the host, so the only kernels launched are the profiled ones; the paged ops pack one
 request of `tokens` records in 64-token pages picked at random from a cache twice that size.
 """

@@ -250,7 +250,7 @@ def sweep_writer(names, log, results):
 
 ATTENTION_CONFIGS = [AttentionTiles(h, k, w, st) for h, k, w, st in
                      [(16, 32, 4, 1), (32, 32, 8, 1), (32, 64, 8, 1), (64, 32, 8, 1), (64, 64, 8, 1), (32, 32, 4, 2)]]
-MOSAIC_ATTENTION_CONFIGS = [MosaicAttentionTiles(copy_warps=w, split_scores=split)    # fp8_ds_mla records only
+MOSAIC_ATTENTION_CONFIGS = [MosaicAttentionTiles(copy_warps=w, split_scores=split)    # fp8 and nvfp4 records
                             for w, split in ((1, False), (4, False), (1, True), (4, True))]
 SWEPT_ATTENTION = {"pallas_triton": ATTENTION_CONFIGS, "pallas_mosaic_gpu": MOSAIC_ATTENTION_CONFIGS}
 # the prefill shape of the attention goals: T query tokens with their own top-k over a gathered

@@ -1,12 +1,12 @@
 """Sparse-MLA attention over native records: one `KernelOp` (SPARSE_MLA_ATTENTION).
 
 Names: ``"pallas_triton"`` (the kernel that reads and dequantizes the records; GPU, interpret
-mode on CPU for tests), ``"pallas_mosaic_gpu"`` (warp-specialized wgmma kernel; fp8_ds_mla
-records, SM90+, interpret mode on CPU) and ``"xla"`` (the reference blocked over query tokens,
-any backend).  `implementation=None` takes the measured order for the device and size
+mode on CPU for tests), ``"pallas_mosaic_gpu"`` (warp-specialized wgmma kernel; fp8_ds_mla and
+nvfp4_ds_mla records, SM90+, interpret mode on CPU) and ``"xla"`` (the reference blocked over
+query tokens, any backend).  `implementation=None` takes the measured order for the device and size
 (`pallas_kernels.tuning`, op "sparse_mla_attention"; no device kind has one yet), else
 DEFAULT_ORDER: a kernel wherever one runs compiled (a GPU; the Mosaic GPU kernel only for
-fp8_ds_mla records), XLA elsewhere.  Triton comes first: it reads every format, and at 16 heads
+the records it reads), XLA elsewhere.  Triton comes first: it reads every format, and at 16 heads
 it is the faster of the two on fp8 records (on the H200, one run: 46.6 against 30.2 TFLOP/s; the
 Mosaic kernel's split scores reached 35.9 in another).  From MOSAIC_FIRST_HEADS heads a call on,
 compiled on a GPU, the Mosaic GPU kernel comes first for the records it reads (64 heads, the same
@@ -36,9 +36,9 @@ MANY_HEADS_ORDER = ("pallas_mosaic_gpu", "pallas_triton", "xla")
 
 
 def reading(layout: RecordLayout) -> tuple[str, ...]:
-    """The implementations that read records of `layout` (the Mosaic GPU kernel: fp8_ds_mla's
-    bytes only); the others are left out of the automatic order."""
-    if layout == pallas_mosaic_gpu.LAYOUT:
+    """The implementations that read records of `layout` (the Mosaic GPU kernel: fp8_ds_mla's and
+    nvfp4_ds_mla's bytes); the others are left out of the automatic order."""
+    if layout in pallas_mosaic_gpu.LAYOUTS:
         return SPARSE_MLA_ATTENTION.names
     return tuple(name for name in SPARSE_MLA_ATTENTION.names if name != "pallas_mosaic_gpu")
 
@@ -52,16 +52,16 @@ def _run_triton(q, records, indices, counts, sm_scale, *, layout, out_dtype, int
 
 
 def _run_mosaic(q, records, indices, counts, sm_scale, *, layout, out_dtype, interpret=False, config=None):
-    if layout != pallas_mosaic_gpu.LAYOUT:
-        raise ValueError(f"implementation: pallas_mosaic_gpu reads fp8_ds_mla records only, got records of "
-                         f"layout {layout.kind} ({layout.record_bytes} bytes); use pallas_triton or xla")
+    if layout not in pallas_mosaic_gpu.LAYOUTS:
+        raise ValueError(f"implementation: pallas_mosaic_gpu reads fp8_ds_mla and nvfp4_ds_mla records, got records "
+                         f"of layout {layout.kind} ({layout.record_bytes} bytes); use pallas_triton or xla")
     if config is not None and not isinstance(config, MosaicAttentionTiles):
         raise TypeError(f"config: expected MosaicAttentionTiles for pallas_mosaic_gpu, got {type(config).__name__}")
     params = compat.mosaic_gpu_interpret_params() if interpret else False
     if interpret and params is None:
         raise ValueError("interpret: this jax has no Mosaic GPU interpret mode")
     return pallas_mosaic_gpu.sparse_mla_attention_mosaic(
-        q, records, indices, counts, sm_scale, config=config or MosaicAttentionTiles(),
+        q, records, indices, counts, sm_scale, layout=layout, config=config or MosaicAttentionTiles(),
         out_dtype=out_dtype, interpret=params)
 
 

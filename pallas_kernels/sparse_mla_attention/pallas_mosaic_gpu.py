@@ -1,4 +1,4 @@
-"""Mosaic GPU sparse-MLA attention over fp8_ds_mla records, with wgmma on SM90.
+"""Mosaic GPU sparse-MLA attention over fp8_ds_mla and nvfp4_ds_mla records, with wgmma on SM90.
 
 Grid (T, H_pad / 64): CTA (t, b) computes heads [64 b, 64 b + 64) of query token t, the wgmma's
 M (fewer heads are padded to 64, so 16 heads cost what 64 do).  Three warpgroups:
@@ -6,23 +6,28 @@ M (fewer heads are padded to 64, so 16 heads cost what 64 do).  Three warpgroups
 - the memory warpgroup copies the token's index row into SMEM once, then per tile of `block_k`
   top-k entries issues (as one, or from each of its warps for a quarter of the rows:
   `copy_warps`) three bulk copies per row (`cp.async.bulk`, no tensor map; a copy must move a
-  multiple of 128 bytes, and a ref has one dtype): the e4m3 NoPE (bytes [0, 512), u8),
-  the 128 bytes from the tile scales on (f32, scales in its first four words) and the RoPE
-  (bf16).  An entry that is a hole, outside [0, N) or past the token's count copies row 0
-  instead, so every tile receives the same bytes; the compute side masks it out.  One slot: the
-  next tile's copies start once both compute warpgroups have moved this one into the K tile.
-- compute warpgroup w writes NoPE parts 2w and 2w + 1 (128 columns each; warpgroup 0 also the
-  RoPE) into the shared bf16 K tile [block_k, 576]: the e4m3 values themselves (exact in bf16),
-  rows of masked entries zeroed; and its parts' float32 tile scales into a [4, block_k] table
-  (a value per K row there, re-read as a value per score column).  After both have written,
-  each computes the scores of its half of the tile's entries (`split_scores`; otherwise every
-  score): five wgmmas (the RoPE and the four NoPE parts, each into its own accumulator, so each
-  part's tile scale multiplies its own products) and the online softmax in float32, the row
-  maxima and the softmax weights (bf16) of both halves exchanged through SMEM; then its half of
-  the values: for each of its parts, (P times the part's scales) in bf16 @ K[:, part] into a
-  [64, 128] float32 accumulator.  So each warpgroup holds 256 of the 512 output columns (128
-  registers a thread), and writes them straight to GMEM at the end, once the two have summed
-  their softmax denominators.
+  multiple of 128 bytes, and a ref has one dtype): the NoPE bytes (fp8: e4m3 [0, 512); nvfp4:
+  packed e2m1 [0, 256)), the 128 bytes from the scales on (fp8: f32, the tile scales in its
+  first four words; nvfp4: u8, the 32 group scales first) and the RoPE (bf16).  An entry that is
+  a hole, outside [0, N) or past the token's count copies row 0 instead, so every tile receives
+  the same bytes; the compute side masks it out.  One slot: the next tile's copies start once
+  both compute warpgroups have moved this one into the K tile.
+- compute warpgroup w writes its share of the shared bf16 K tile [block_k, 576] (warpgroup 0
+  also the RoPE), rows of masked entries zeroed.  fp8: NoPE parts 2w and 2w + 1 (128 columns
+  each), the e4m3 values themselves (exact in bf16), and its parts' float32 tile scales into a
+  [4, block_k] table (a value per K row there, re-read as a value per score column).  nvfp4:
+  packed bytes [128 w, 128 w + 128), each nibble's e2m1 value times its group's e4m3 scale
+  (exact in bf16), the low nibbles (even elements) into the first 256 columns and the high ones
+  (odd elements) into the last 256: the queries come in and the output leaves in that order, as
+  in the Triton kernel.  After both have written, each computes the scores of its half of the
+  tile's entries (`split_scores`; otherwise every score): fp8, five wgmmas (the RoPE and the
+  four NoPE parts, each into its own accumulator, so each part's tile scale multiplies its own
+  products); nvfp4, one over all 576 columns (the scales are in K).  Then the online softmax in
+  float32, the row maxima and the softmax weights (bf16) of both halves exchanged through SMEM;
+  then its half of the values: for each of its parts, (P times the part's fp8 scales) in bf16 @
+  K[:, part] into a [64, 128] float32 accumulator.  So each warpgroup holds 256 of the 512
+  output columns (128 registers a thread), and writes them straight to GMEM at the end, once the
+  two have summed their softmax denominators.
 
 Every record value reaches the MMAs exactly, as in the Triton kernel (pallas_triton.py): the
 scales multiply the float32 products, and only the softmax weights round to bf16 (split: once
@@ -53,20 +58,26 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import compat, selection
+from pallas_kernels import compat, record_codec, selection
 from pallas_kernels.record_layout import RecordLayout
 
 HEADS_PER_CTA = 64          # the wgmma's M
-PART = 128                  # NoPE columns per part (one fp8 scale tile)
+PART = 128                  # NoPE columns per part (one fp8 scale tile; each compute warpgroup accumulates two)
 NUM_PARTS = 4
 NOPE_DIM, ROPE_DIM = 512, 64
-# fp8_ds_mla, the one record the kernel reads: e4m3 NoPE [0, 512), four f32 tile scales
-# [512, 528), bf16 RoPE [528, 656)
-LAYOUT = RecordLayout("fp8_tiles", nope_dim=NOPE_DIM, rope_dim=ROPE_DIM, quant_block=PART)
-RECORD_BYTES = LAYOUT.record_bytes
+# The records the kernel reads.  fp8_ds_mla: e4m3 NoPE [0, 512), four f32 tile scales [512, 528),
+# bf16 RoPE [528, 656).  nvfp4_ds_mla: e2m1 NoPE [0, 256) (byte b holds elements 2b and 2b + 1),
+# 32 e4m3 group scales [256, 288) (one per 16 elements), padding, bf16 RoPE [304, 432)
+FP8 = RecordLayout("fp8_tiles", nope_dim=NOPE_DIM, rope_dim=ROPE_DIM, quant_block=PART)
+NVFP4 = RecordLayout("nvfp4_groups", nope_dim=NOPE_DIM, rope_dim=ROPE_DIM, quant_block=16, pad_bytes=16)
+LAYOUTS = (FP8, NVFP4)
 MAX_TOP_K = 4096            # a token's index row lives in SMEM beside the ~200 KB of tiles
 WARPS_PER_WARPGROUP = 4
 COPIES_PER_ROW = 3          # the NoPE bytes, the 128 bytes from the scales on, the RoPE
+COPY_GRANULE = 128          # bytes: every record copy moves a multiple of it
+# nvfp4: packed NoPE bytes converted at a time (the expanded group scales of that many columns
+# are float32 registers beside the accumulators)
+NVFP4_CONVERT_BYTES = 64
 # The raw rows' padding in SMEM: unpadded, their 512 / 128 / 128-byte rows all start in bank 0,
 # so the eight rows a warp reads at once in the WGMMA layout hit one bank; 16 bytes (four banks)
 # more per row spread them over all 32
@@ -98,17 +109,21 @@ class MosaicAttentionTiles:
             raise TypeError(f"split_scores: expected a bool, got {self.split_scores!r}")
 
 
-def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out_ref, lse_ref,
+def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, out_ref, lse_ref,
             q_smem, idx_smem, nope_raw, scale_raw, rope_raw, k_smem, scales_smem, p_smem, maxes_smem, stats_smem,
-            loaded, raw_bars, tile_syncs, *, num_records, top_k, block_k, copy_warps, split,
+            loaded, raw_bars, tile_syncs, *, kind, copies, num_records, top_k, block_k, copy_warps, split,
             interpret):
     # idx_ref: i32[T, top_k]; count_ref: i32[T]; scale_ref: f32[1]; q_ref: bf16[T, H_pad, 576]
-    # rec_u8 / rec_f32 / rec_bf16: the records u8[N, 656], viewed as f32[N, 164] and bf16[N, 328]
-    # out_ref: [T, H_pad, 512] (bf16 or f32); lse_ref: f32[T, H_pad]
+    # (nvfp4: the NoPE's even elements, then its odd ones)
+    # rec_u8 / rec_scales / rec_bf16: the records u8[N, R], viewed as u8, as f32 (fp8: its tile
+    # scales) or u8 (nvfp4: its group scales), and as bf16; copies: ((start, width) in each view)
+    # of the three copies of a row: NoPE, the COPY_GRANULE bytes from the scales on, RoPE
+    # out_ref: [T, H_pad, 512] (bf16 or f32; nvfp4: even elements, then odd); lse_ref: f32[T, H_pad]
     # q_smem: bf16[64, 576] (swizzled); idx_smem: i32[top_k]
-    # nope_raw: u8[block_k, 512 + pad]; scale_raw: f32[block_k, 32 + pad] (scales in columns 0-3);
-    # rope_raw: bf16[block_k, 64 + pad] (each row padded by ROW_PAD_BYTES); k_smem: bf16[block_k, 576] (swizzled);
-    # scales_smem: f32[4, block_k]; with split scores: p_smem bf16[64, block_k + pad] (the softmax
+    # nope_raw: u8[block_k, NoPE bytes + pad]; scale_raw: fp8 f32[block_k, 32 + pad] (scales in
+    # columns 0-3), nvfp4 u8[block_k, 128 + pad] (scales in columns 0-31); rope_raw: bf16[block_k,
+    # 64 + pad] (each row padded by ROW_PAD_BYTES); k_smem: bf16[block_k, 576] (swizzled);
+    # scales_smem: f32[4, block_k] (fp8 only); with split scores: p_smem bf16[64, block_k + pad] (the softmax
     # weights of both halves), maxes_smem f32[2, 64] (each half's row maxima), stats_smem f32[6, 64]
     # (each warpgroup's sums, NaN and entry flags at the end)
     # loaded: barriers[2] (q, the index row); raw_bars: barriers[copy_warps] of the tile's record
@@ -184,13 +199,10 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
                 row = idx_smem[pos]
                 row = jnp.where(entry_ok(pos, row), row, 0)     # masked entries copy row 0, never used
                 bar = compat.barrier_at(raw_bars, j % copy_warps)
-                plgpu.copy_gmem_to_smem(rec_u8.at[row, pl.ds(0, NOPE_DIM)], nope_raw.at[j, pl.ds(0, NOPE_DIM)], bar,
-                                        oob_mode=in_bounds)
-                plgpu.copy_gmem_to_smem(rec_f32.at[row, pl.ds(NOPE_DIM // 4, 32)], scale_raw.at[j, pl.ds(0, 32)], bar,
-                                        oob_mode=in_bounds)
-                plgpu.copy_gmem_to_smem(rec_bf16.at[row, pl.ds((NOPE_DIM + 16) // 2, ROPE_DIM)],
-                                        rope_raw.at[j, pl.ds(0, ROPE_DIM)],
-                                        bar, oob_mode=in_bounds)
+                for src, dst, (first, width) in zip((rec_u8, rec_scales, rec_bf16), (nope_raw, scale_raw, rope_raw),
+                                                    copies):
+                    plgpu.copy_gmem_to_smem(src.at[row, pl.ds(first, width)], dst.at[j, pl.ds(0, width)], bar,
+                                            oob_mode=in_bounds)
 
         @pl.loop(0, num_tiles)
         def _tile(i):
@@ -221,16 +233,9 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
         cols_of = wgmma.reduce(0)          # a value per column: per entry of the scores
         own = (2 * w, 2 * w + 1)
 
-        def tile(i, carry):
-            accs, m_prev, l_prev, nan_seen, seen = carry
-            pos0 = i * block_k
-            for b in range(copy_warps):
-                plgpu.barrier_wait(compat.barrier_at(raw_bars, b))
-            # this warpgroup's share of the K tile: its two NoPE parts (and the RoPE for w = 0),
-            # exact e4m3 values, masked entries' rows zeroed; its parts' scales per entry
-            k_rows = load(idx_smem.at[pl.ds(pos0, block_k)], rows_of)
-            k_pos = pos0 + iota((block_k,), 0, rows_of)
-            row_ok = entry_ok(k_pos, k_rows)
+        def fp8_share(row_ok):
+            """This warpgroup's share of the K tile from fp8 records: its two NoPE parts, exact e4m3
+            values, masked entries' rows zeroed; its parts' scales per entry into scales_smem."""
             k_ok = lax.broadcast_in_dim(row_ok, (block_k, PART), (0,))
             raw_scales = load(scale_raw.at[:, pl.ds(0, 32)], wgmma)  # f32[block_k, 32]
             col = iota((block_k, 32), 1, wgmma)
@@ -242,6 +247,53 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
                 k_smem[:, pl.ds(p * PART, PART)] = jnp.where(k_ok, k, jnp.zeros_like(k))
                 # masked entries' scales are 0: their weights stay 0 (never NaN) without a mask later
                 scales_smem[p] = jnp.where(row_ok, jnp.sum(jnp.where(col == p, raw_scales, 0.0), axis=1), 0.0)
+
+        def nvfp4_group_scale(group, row_ok):
+            """f32[block_k] (a value per K row): the records' e4m3 scale of `group` times 2**14 (the
+            factor the e2m1 codes placed in an f16 lack), NaN for a NaN byte, 0 for masked entries
+            (whose rows are then zeros: row 0's finite values times 0)."""
+            b = load(scale_raw.at[:, group], rows_of).astype(jnp.uint16)
+            # the e4m3 exponent and mantissa placed in an f16 (bias 15 against 7: the value times
+            # 2**-8; an e4m3 subnormal lands on an f16 subnormal), exactly widened to float32
+            mag = lax.bitcast_convert_type((b & 0x7F) << 7, jnp.float16).astype(jnp.float32) * 2.0 ** 22
+            s = jnp.where((b & 0x80) != 0, -mag, mag)
+            s = jnp.where((b & 0x7F) == 0x7F, jnp.nan, s)
+            return jnp.where(row_ok, s, 0.0)
+
+        def nvfp4_share(row_ok):
+            """This warpgroup's share of the K tile from nvfp4 records: packed NoPE bytes [128 w,
+            128 w + 128), whose low nibbles are the even elements 2b (K columns b, the first half)
+            and high nibbles the odd ones (columns 256 + b), each the e2m1 value times its group's
+            scale: exact in bf16 (`record_codec.decode_nvfp4_pairs`).  In the WGMMA layout a thread's
+            values of a column tile (8 packed bytes) are one group's, so each tile's scale is one
+            row vector; a select per tile puts it there (the tile index of a register is a
+            constant)."""
+            width = NVFP4_CONVERT_BYTES
+            col_tile = iota((block_k, width), 1, wgmma) // 8
+            for first in range(w * PART, (w + 1) * PART, width):
+                scale = None
+                for tile in range(width // 8):
+                    s = lax.broadcast_in_dim(nvfp4_group_scale(first // 8 + tile, row_ok), (block_k, width), (0,))
+                    scale = s if scale is None else jnp.where(col_tile == tile, s, scale)
+                packed = load(nope_raw.at[:, pl.ds(first, width)], wgmma).astype(jnp.uint16)
+                for x, column in ((packed & 0xF, first), (packed >> 4, NOPE_DIM // 2 + first)):
+                    # the e2m1 code placed in an f16 (sign; exponent and mantissa in its lowest
+                    # exponent bits and top mantissa bit): its value times 2**-14, subnormals included
+                    half = lax.bitcast_convert_type(((x & 8) << 12) | ((x & 7) << 9), jnp.float16)
+                    k_smem[:, pl.ds(column, width)] = (half.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+
+        def tile(i, carry):
+            accs, m_prev, l_prev, nan_seen, seen = carry
+            pos0 = i * block_k
+            for b in range(copy_warps):
+                plgpu.barrier_wait(compat.barrier_at(raw_bars, b))
+            k_rows = load(idx_smem.at[pl.ds(pos0, block_k)], rows_of)
+            k_pos = pos0 + iota((block_k,), 0, rows_of)
+            row_ok = entry_ok(k_pos, k_rows)
+            if kind == "fp8_tiles":
+                fp8_share(row_ok)
+            else:
+                nvfp4_share(row_ok)
             if w == 0:
                 k_smem[:, pl.ds(NOPE_DIM, ROPE_DIM)] = load(rope_raw.at[:, pl.ds(0, ROPE_DIM)], wgmma)
             plgpu.commit_smem()
@@ -263,9 +315,12 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
                 return lax.broadcast_in_dim(load(scales_smem.at[p, columns], cols_of),
                                             (HEADS_PER_CTA, columns.size), (1,))
 
-            s = scores(pl.ds(NOPE_DIM, ROPE_DIM))
-            for p in range(NUM_PARTS):
-                s = s + scores(pl.ds(p * PART, PART)) * part_scale(p, keys)
+            if kind == "fp8_tiles":
+                s = scores(pl.ds(NOPE_DIM, ROPE_DIM))
+                for p in range(NUM_PARTS):
+                    s = s + scores(pl.ds(p * PART, PART)) * part_scale(p, keys)
+            else:                          # the scales are in K: one product over all 576 columns
+                s = scores(pl.ds(0, NOPE_DIM + ROPE_DIM))
             s_rows = load(idx_smem.at[pl.ds(pos0 + first_key, num_keys)], cols_of)
             s_pos = pos0 + first_key + iota((num_keys,), 0, cols_of)
             s_ok = lax.broadcast_in_dim(entry_ok(s_pos, s_rows), (HEADS_PER_CTA, num_keys), (1,))
@@ -288,8 +343,11 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
                 sync(p_ready)
                 p_ = load(p_smem.at[:, pl.ds(0, block_k)], wgmma).astype(jnp.float32)
             new_accs = []
+            shared_weights = None if kind == "fp8_tiles" else p_.astype(jnp.bfloat16)
             for acc, p in zip(accs, own):
-                weights = (p_ * part_scale(p, pl.ds(0, block_k))).astype(jnp.bfloat16)
+                weights = shared_weights
+                if weights is None:
+                    weights = (p_ * part_scale(p, pl.ds(0, block_k))).astype(jnp.bfloat16)
                 acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
                 new_accs.append(accumulate(acc, weights, k_smem.at[:, pl.ds(p * PART, PART)]))
             plgpu.wgmma_wait(0)
@@ -325,14 +383,30 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_f32, rec_bf16, out
         pl.when(wg == w)(functools.partial(compute, w))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "interpret"))
-def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, config: MosaicAttentionTiles =
-                                MosaicAttentionTiles(), out_dtype=jnp.bfloat16, interpret=False):
-    """The contract of `reference.attention_reference` for fp8_ds_mla records, out in `out_dtype`
-    (bf16, or float32 for partials that a merge combines).
+def record_copies(layout: RecordLayout) -> tuple[tuple[int, int], ...]:
+    """(start, width) of a row's three copies, each in its view of the records (u8; f32 for fp8's
+    tile scales, u8 for nvfp4's group scales; bf16): the NoPE bytes, the COPY_GRANULE bytes from
+    the scales on (the scales and what follows them), the RoPE."""
+    nope = layout.segments[0]
+    scales = layout.segment("tile_scales_f32" if layout.kind == "fp8_tiles" else "group_scales_e4m3")
+    rope = layout.segment("rope_bf16")
+    scale_word = 4 if layout.kind == "fp8_tiles" else 1
+    return ((nope.offset, nope.width), (scales.offset // scale_word, COPY_GRANULE // scale_word),
+            (rope.offset // 2, rope.width // 2))
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "config", "out_dtype", "interpret"))
+def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout: RecordLayout = FP8,
+                                config: MosaicAttentionTiles = MosaicAttentionTiles(), out_dtype=jnp.bfloat16,
+                                interpret=False):
+    """The contract of `reference.attention_reference` for fp8_ds_mla or nvfp4_ds_mla records
+    (`LAYOUTS`), out in `out_dtype` (bf16, or float32 for partials that a merge combines).
 
     interpret: False, or a Mosaic GPU interpret-params object (GPU interpret mode, for tests)."""
     plgpu = compat.plgpu
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: the pallas_mosaic_gpu kernel reads fp8_ds_mla and nvfp4_ds_mla records, "
+                         f"got {layout.kind} records of {layout.record_bytes} bytes")
     t, h, _ = q.shape
     n = records.shape[0]
     if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
@@ -348,13 +422,20 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, config
         raise ValueError(f"indices: the pallas_mosaic_gpu kernel holds a token's index row in shared memory, "
                          f"at most {MAX_TOP_K} entries; got int32[{t}, {indices.shape[1]}]")
     q16 = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, hp - h), (0, 0)))
+    if layout.kind == "nvfp4_groups":                   # the kernel's even / odd order of the NoPE
+        q16 = jnp.concatenate([record_codec.split_even_odd(q16[..., :NOPE_DIM]), q16[..., NOPE_DIM:]], axis=-1)
     idx = jnp.pad(indices, ((0, 0), (0, kp - indices.shape[1])), constant_values=-1)
     scale = jnp.asarray(sm_scale, jnp.float32).reshape(1)
-    rec_f32 = lax.bitcast_convert_type(records.reshape(n, RECORD_BYTES // 4, 4), jnp.float32)
-    rec_bf16 = lax.bitcast_convert_type(records.reshape(n, RECORD_BYTES // 2, 2), jnp.bfloat16)
+    width = layout.record_bytes
+    rec_scales = lax.bitcast_convert_type(records.reshape(n, width // 4, 4), jnp.float32) \
+        if layout.kind == "fp8_tiles" else records
+    rec_bf16 = lax.bitcast_convert_type(records.reshape(n, width // 2, 2), jnp.bfloat16)
+    copies = record_copies(layout)
+    scale_dtype = jnp.float32 if layout.kind == "fp8_tiles" else jnp.uint8
+    pad = lambda dtype: ROW_PAD_BYTES // jnp.dtype(dtype).itemsize
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    kernel = functools.partial(_kernel, num_records=n, top_k=kp, block_k=block_k, copy_warps=config.copy_warps,
-                               split=config.split_scores, interpret=bool(interpret))
+    kernel = functools.partial(_kernel, kind=layout.kind, copies=copies, num_records=n, top_k=kp, block_k=block_k,
+                               copy_warps=config.copy_warps, split=config.split_scores, interpret=bool(interpret))
     extra = {"interpret": interpret} if interpret else {}
     out, lse = plgpu.kernel(
         kernel,
@@ -363,9 +444,9 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, config
         scratch_types=[
             plgpu.SMEM((HEADS_PER_CTA, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((kp,), jnp.int32),
-            plgpu.SMEM((block_k, NOPE_DIM + ROW_PAD_BYTES), jnp.uint8),
-            plgpu.SMEM((block_k, 32 + ROW_PAD_BYTES // 4), jnp.float32),
-            plgpu.SMEM((block_k, ROPE_DIM + ROW_PAD_BYTES // 2), jnp.bfloat16),
+            plgpu.SMEM((block_k, copies[0][1] + pad(jnp.uint8)), jnp.uint8),
+            plgpu.SMEM((block_k, copies[1][1] + pad(scale_dtype)), scale_dtype),
+            plgpu.SMEM((block_k, ROPE_DIM + pad(jnp.bfloat16)), jnp.bfloat16),
             plgpu.SMEM((block_k, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((NUM_PARTS, block_k), jnp.float32),
             plgpu.SMEM((HEADS_PER_CTA, block_k + ROW_PAD_BYTES // 2), jnp.bfloat16),
@@ -379,6 +460,9 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, config
         # Lane semantics (jax 0.11's default is Warpgroup, whose layout inference cannot place
         # the 1-D index and scale vectors): the layouts are the kernel's own
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        kernel_name="ckv_sparse_mla_attention_mgpu_fp8", **extra,
-    )(idx, counts, scale, q16, records, rec_f32, rec_bf16)
-    return out[:, :h], lse[:, :h]
+        kernel_name=f"ckv_sparse_mla_attention_mgpu_{layout.kind}", **extra,
+    )(idx, counts, scale, q16, records, rec_scales, rec_bf16)
+    out = out[:, :h]
+    if layout.kind == "nvfp4_groups":                   # even elements, then odd -> interleaved
+        out = record_codec.join_even_odd(out)
+    return out, lse[:, :h]

@@ -191,7 +191,7 @@ def sparse_mla_attention_triton(q, records, indices, counts, sm_scale, *, layout
     q16 = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, hp - h), (0, 0)))
     q_nope, q_rope = q16[..., :nope_dim], q16[..., nope_dim:]
     if layout.kind == "nvfp4_groups":                   # the kernel's even / odd order
-        q_nope = jnp.concatenate([q_nope[..., 0::2], q_nope[..., 1::2]], axis=-1)
+        q_nope = record_codec.split_even_odd(q_nope)
     idx = jnp.pad(indices, ((0, 0), (0, kp - indices.shape[1])), constant_values=-1).reshape(t * kp)
     scale = jnp.asarray(sm_scale, jnp.float32).reshape(1)
     kernel = functools.partial(_attention_kernel, layout=layout, num_heads=hp, top_k=kp, block_h=block_h,
@@ -204,5 +204,5 @@ def sparse_mla_attention_triton(q, records, indices, counts, sm_scale, *, layout
     )(idx, counts, scale, q_nope.reshape(t * hp, nope_dim), q_rope.reshape(t * hp, layout.rope_dim), records)
     out = out.reshape(t, hp, nope_dim)[:, :h]
     if layout.kind == "nvfp4_groups":                   # even elements, then odd -> interleaved
-        out = out.reshape(t, h, 2, nope_dim // 2).swapaxes(2, 3).reshape(t, h, nope_dim)
+        out = record_codec.join_even_odd(out)
     return out, lse.reshape(t, hp)[:, :h]
