@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", choices=("auto", "xla") + KERNELS, default="auto",
                     help="sparse-MLA attention of both paths: auto (ckv-jax's choice: a kernel on a GPU, XLA "
                          "elsewhere) or an implementation (pallas_triton runs in interpret mode without a GPU; "
-                         "pallas_mosaic_gpu reads fp8_ds_mla and nvfp4_ds_mla and needs an SM90+ GPU)")
+                         "pallas_mosaic_gpu needs an SM90+ GPU)")
     ap.add_argument("--block-size", type=int, default=64, help="tokens per paged-cache block")
     ap.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and top-k")
     args = ap.parse_args(argv)
@@ -238,8 +238,6 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.dcp is not None and args.dcp <= 0:
         ap.error("--dcp must be positive")
-    if args.attention == "pallas_mosaic_gpu" and args.format not in ("fp8_ds_mla", "nvfp4_ds_mla"):
-        ap.error(f"--attention pallas_mosaic_gpu reads fp8_ds_mla and nvfp4_ds_mla records, got --format {args.format}")
     if args.depth >= args.layers:
         ap.error(f"--depth {args.depth}: at most --layers - 1 = {args.layers - 1} (a layer is gathered ahead of "
                  "the layers before it)")

@@ -13,13 +13,14 @@ import oracle
 from helpers import FakeDevice, nvfp4_every_code_and_scale
 from ckv_jax import formats, sparse_mla
 from pallas_kernels import sparse_mla_attention as attention_op
+from pallas_kernels.record_layout import RecordLayout
 from pallas_kernels.sparse_mla_attention import AttentionTiles, MosaicAttentionTiles, pallas_triton, reference
 
 NAMES = ["fp8_ds_mla", "nvfp4_ds_mla", "bf16"]
 N = 96                     # records
 K = 37                     # top-k columns: not a multiple of any tile
 MOSAIC = "fp8_ds_mla"      # the format of the Mosaic GPU kernel's tests that run one format
-MOSAIC_NAMES = ["fp8_ds_mla", "nvfp4_ds_mla"]     # the formats it reads
+MOSAIC_NAMES = NAMES       # the formats it reads
 
 
 @np.errstate(invalid="ignore", over="ignore")
@@ -122,12 +123,15 @@ def test_a_nan_reaches_its_row_and_only_its_row(name, implementation):
     check_the_nan_rule(name, implementation)
 
 
-@pytest.mark.parametrize("name, split_scores", [(MOSAIC, False), (MOSAIC, True), ("nvfp4_ds_mla", True)])
-def test_the_mosaic_kernel_keeps_the_nan_rule(name, split_scores, kernel_mode):
+@pytest.mark.parametrize("name, split_scores, k_slots", [(MOSAIC, False, 1), (MOSAIC, True, 1), ("nvfp4_ds_mla", True, 1),
+                                                          ("bf16", True, 1), ("bf16", False, 2)])
+def test_the_mosaic_kernel_keeps_the_nan_rule(name, split_scores, k_slots, kernel_mode):
     """Either way of computing the scores: split, a NaN in one warpgroup's half must still reach
-    the other's output columns (nvfp4: a NaN group scale of the second compute warpgroup's bytes)."""
+    the other's output columns (nvfp4: a NaN group scale of the second compute warpgroup's bytes;
+    bf16: one K tile, or two in flight)."""
     check_the_nan_rule(name, dict(implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret"),
-                       k=70, selected_column=40, config=MosaicAttentionTiles(split_scores=split_scores))
+                       k=70, selected_column=40,
+                       config=MosaicAttentionTiles(split_scores=split_scores, k_slots=k_slots))
 
 
 def check_the_nan_rule(name, implementation, k=K, selected_column=4, config=None):
@@ -194,15 +198,16 @@ def test_the_mosaic_kernel_matches_the_oracle(name, heads, kernel_mode):
     assert_close(name, got, oracle_attention(name, q, records, indices, counts, sm_scale), f"mosaic {name} H={heads}")
 
 
-@pytest.mark.parametrize("name, copy_warps, split_scores", [(MOSAIC, 1, False), (MOSAIC, 4, False), (MOSAIC, 4, True),
-                                                            ("nvfp4_ds_mla", 4, True)])
-def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(name, copy_warps, split_scores,
+@pytest.mark.parametrize("name, copy_warps, split_scores, k_slots", [
+    (MOSAIC, 1, False, 1), (MOSAIC, 4, False, 1), (MOSAIC, 4, True, 1), ("nvfp4_ds_mla", 4, True, 1),
+    ("bf16", 4, True, 1), ("bf16", 1, False, 2), ("bf16", 4, False, 2)])
+def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(name, copy_warps, split_scores, k_slots,
                                                                             kernel_mode):
     """130 entries (three tiles of 64, the last partial) with scores in the tens: each tile's fp8
     scale (each group's nvfp4 scale) must multiply its own products, exactly; with the record
     copies issued by the memory warpgroup as one and by its four warps (interpreted: one issuer
     over the four barriers), and with the scores computed by both compute warpgroups or split
-    between them."""
+    between them; bf16 records copied straight into one K tile, or into two in turn."""
     q, records, indices, counts, sm_scale = make_case(name, 3, 16, seed=13, k=130)
     q = (q.astype(np.float32) * 16).astype(ml_dtypes.bfloat16)
     want = oracle_attention(name, q, records, indices, counts, sm_scale)
@@ -210,8 +215,8 @@ def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(name
     got = attention_op.sparse_mla_attention(jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices),
                                             jnp.asarray(counts), sm_scale, layout=formats.get(name).layout,
                                             implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret",
-                                            config=MosaicAttentionTiles(copy_warps=copy_warps,
-                                                                        split_scores=split_scores))
+                                            config=MosaicAttentionTiles(copy_warps=copy_warps, split_scores=split_scores,
+                                                                        k_slots=k_slots))
     assert_close(name, got, want, f"mosaic {name}, three tiles, large scores, {copy_warps} copy issuer(s), "
                                     f"split scores {split_scores}")
 
@@ -242,15 +247,15 @@ def test_the_mosaic_kernel_decodes_every_nvfp4_code_and_scale(kernel_mode):
     np.testing.assert_array_equal(out[~nan_record], want.astype(ml_dtypes.bfloat16).astype(np.float32))
 
 
-def test_the_mosaic_kernel_is_named_for_fp8_and_nvfp4_records_only():
-    q, records, indices, counts, sm_scale = (jnp.asarray(a) if isinstance(a, np.ndarray) else a
-                                             for a in make_case("bf16", 2, 16, seed=1))
-    with pytest.raises(ValueError, match="pallas_mosaic_gpu reads fp8_ds_mla and nvfp4_ds_mla records, got records "
-                                         "of layout bf16"):
-        ckv_jax.sparse_mla_attention(q, records, indices, counts, sm_scale, format="bf16",
-                                     implementation="pallas_mosaic_gpu", interpret=True)
-    q8, records8, indices8, counts8, _ = (jnp.asarray(a) if isinstance(a, np.ndarray) else a
-                                          for a in make_case(MOSAIC, 2, 16, seed=1))
+def test_the_mosaic_kernel_names_what_it_does_not_read():
+    q8, records8, indices8, counts8, sm_scale = (jnp.asarray(a) if isinstance(a, np.ndarray) else a
+                                                 for a in make_case(MOSAIC, 2, 16, seed=1))
+    tiles_of_64 = RecordLayout("fp8_tiles", quant_block=64)           # a layout of no registered format
+    records64 = jnp.zeros((N, tiles_of_64.record_bytes), jnp.uint8)
+    with pytest.raises(ValueError, match="pallas_mosaic_gpu reads fp8_ds_mla, nvfp4_ds_mla and bf16 records, got "
+                                         "records of layout fp8_tiles"):
+        attention_op.sparse_mla_attention(q8, records64, indices8, counts8, sm_scale, layout=tiles_of_64,
+                                          implementation="pallas_mosaic_gpu", interpret=True)
     with pytest.raises(TypeError, match="config: expected MosaicAttentionTiles"):
         attention_op.sparse_mla_attention(q8, records8, indices8, counts8, sm_scale, layout=formats.get(MOSAIC).layout,
                                           implementation="pallas_mosaic_gpu", interpret=True,
@@ -259,6 +264,14 @@ def test_the_mosaic_kernel_is_named_for_fp8_and_nvfp4_records_only():
         MosaicAttentionTiles(block_k=32)
     with pytest.raises(ValueError, match="copy_warps: expected 1 or 4, got 2"):
         MosaicAttentionTiles(copy_warps=2)
+    with pytest.raises(ValueError, match="k_slots: expected 1 or 2, got 3"):
+        MosaicAttentionTiles(k_slots=3)
+    q16, records16, indices16, counts16, _ = (jnp.asarray(a) if isinstance(a, np.ndarray) else a
+                                              for a in make_case("bf16", 2, 16, seed=1))
+    with pytest.raises(ValueError, match="config: 2 K slots leave no shared memory for split scores"):
+        attention_op.sparse_mla_attention(q16, records16, indices16, counts16, sm_scale, layout=formats.get("bf16").layout,
+                                          implementation="pallas_mosaic_gpu", interpret=True,
+                                          config=MosaicAttentionTiles(k_slots=2))
     wide = jnp.zeros((2, 4097), jnp.int32)
     with pytest.raises(ValueError, match=r"indices: .* at most 4096 entries; got int32\[2, 4097\]"):
         attention_op.sparse_mla_attention(q8, records8, wide, counts8, sm_scale, layout=formats.get(MOSAIC).layout,
@@ -315,7 +328,7 @@ def test_the_xla_implementation_bounds_its_temporaries():
     (FakeDevice(), "nvfp4_ds_mla", 1 << 30, 16, 2048, False, "pallas_triton"),
     # Triton cannot address a u8 buffer of 2-4 GiB: the Mosaic GPU kernel where it reads the records
     (FakeDevice(), "fp8_ds_mla", 3 << 30, 16, 2048, False, "pallas_mosaic_gpu"),
-    (FakeDevice(), "bf16", 3 << 30, 16, 2048, False, "xla"),
+    (FakeDevice(), "bf16", 3 << 30, 16, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(compute_capability="8.0"), "fp8_ds_mla", 3 << 30, 16, 2048, False, "xla"),
     (FakeDevice(), "fp8_ds_mla", 5 << 30, 16, 2048, False, "pallas_triton"),
     (FakeDevice(platform="cpu"), "fp8_ds_mla", 1 << 30, 16, 2048, False, "xla"),
@@ -326,7 +339,7 @@ def test_the_xla_implementation_bounds_its_temporaries():
     (FakeDevice(), "fp8_ds_mla", 1 << 30, 128, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(), "fp8_ds_mla", 1 << 30, 32, 2048, False, "pallas_triton"),
     (FakeDevice(), "nvfp4_ds_mla", 1 << 30, 64, 2048, False, "pallas_mosaic_gpu"),
-    (FakeDevice(), "bf16", 1 << 30, 64, 2048, False, "pallas_triton"),             # records it does not read
+    (FakeDevice(), "bf16", 1 << 30, 64, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(), "fp8_ds_mla", 1 << 30, 64, 8192, False, "pallas_triton"),       # a top-k past its SMEM
     (FakeDevice(compute_capability="8.0"), "fp8_ds_mla", 1 << 30, 64, 2048, False, "pallas_triton"),
     (FakeDevice(platform="cpu"), "fp8_ds_mla", 1 << 30, 64, 2048, True, "pallas_triton"),

@@ -250,8 +250,9 @@ def sweep_writer(names, log, results):
 
 ATTENTION_CONFIGS = [AttentionTiles(h, k, w, st) for h, k, w, st in
                      [(16, 32, 4, 1), (32, 32, 8, 1), (32, 64, 8, 1), (64, 32, 8, 1), (64, 64, 8, 1), (32, 32, 4, 2)]]
-MOSAIC_ATTENTION_CONFIGS = [MosaicAttentionTiles(copy_warps=w, split_scores=split)    # fp8 and nvfp4 records
-                            for w, split in ((1, False), (4, False), (1, True), (4, True))]
+MOSAIC_ATTENTION_CONFIGS = [MosaicAttentionTiles(copy_warps=w, split_scores=split)
+                            for w, split in ((1, False), (4, False), (1, True), (4, True))] + [
+    MosaicAttentionTiles(copy_warps=4, split_scores=False, k_slots=2)]      # two K tiles: bf16 records only
 SWEPT_ATTENTION = {"pallas_triton": ATTENTION_CONFIGS, "pallas_mosaic_gpu": MOSAIC_ATTENTION_CONFIGS}
 # the prefill shape of the attention goals: T query tokens with their own top-k over a gathered
 # fp8 workspace far above L2, at the head counts of TP 8 (16), TP 2 (64) and one GPU (128)
@@ -276,6 +277,7 @@ def sweep_attention(names, log, results, heads_list=ATTENTION_HEADS, implementat
             attention_op = sparse_mla_attention.SPARSE_MLA_ATTENTION
             variants = [(impl, cfg) for impl, configs in SWEPT_ATTENTION.items() for cfg in configs
                         if (implementations is None or impl in implementations) and impl in reading(fmt.layout)
+                        and (getattr(cfg, "k_slots", 1) == 1 or fmt.layout.kind == "bf16")
                         and attention_op.implementation(impl).supported_on(jax.devices()[0], records.size, False)[0]]
             calls = [(q, records, indices, counts) for q, indices, counts in inputs]   # the table as an argument
             for impl, cfg in variants:

@@ -1,8 +1,8 @@
 """Sparse-MLA attention over native records: one `KernelOp` (SPARSE_MLA_ATTENTION).
 
 Names: ``"pallas_triton"`` (the kernel that reads and dequantizes the records; GPU, interpret
-mode on CPU for tests), ``"pallas_mosaic_gpu"`` (warp-specialized wgmma kernel; fp8_ds_mla and
-nvfp4_ds_mla records, SM90+, interpret mode on CPU) and ``"xla"`` (the reference blocked over
+mode on CPU for tests), ``"pallas_mosaic_gpu"`` (warp-specialized wgmma kernel; the three
+record formats, SM90+, interpret mode on CPU) and ``"xla"`` (the reference blocked over
 query tokens, any backend).  `implementation=None` takes the measured order for the device and size
 (`pallas_kernels.tuning`, op "sparse_mla_attention"; no device kind has one yet), else
 DEFAULT_ORDER: a kernel wherever one runs compiled (a GPU; the Mosaic GPU kernel only for
@@ -36,8 +36,8 @@ MANY_HEADS_ORDER = ("pallas_mosaic_gpu", "pallas_triton", "xla")
 
 
 def reading(layout: RecordLayout) -> tuple[str, ...]:
-    """The implementations that read records of `layout` (the Mosaic GPU kernel: fp8_ds_mla's and
-    nvfp4_ds_mla's bytes); the others are left out of the automatic order."""
+    """The implementations that read records of `layout` (the Mosaic GPU kernel: the registered
+    formats' bytes); the others are left out of the automatic order."""
     if layout in pallas_mosaic_gpu.LAYOUTS:
         return SPARSE_MLA_ATTENTION.names
     return tuple(name for name in SPARSE_MLA_ATTENTION.names if name != "pallas_mosaic_gpu")
@@ -53,15 +53,15 @@ def _run_triton(q, records, indices, counts, sm_scale, *, layout, out_dtype, int
 
 def _run_mosaic(q, records, indices, counts, sm_scale, *, layout, out_dtype, interpret=False, config=None):
     if layout not in pallas_mosaic_gpu.LAYOUTS:
-        raise ValueError(f"implementation: pallas_mosaic_gpu reads fp8_ds_mla and nvfp4_ds_mla records, got records "
-                         f"of layout {layout.kind} ({layout.record_bytes} bytes); use pallas_triton or xla")
+        raise ValueError(f"implementation: pallas_mosaic_gpu reads fp8_ds_mla, nvfp4_ds_mla and bf16 records, got "
+                         f"records of layout {layout.kind} ({layout.record_bytes} bytes); use pallas_triton or xla")
     if config is not None and not isinstance(config, MosaicAttentionTiles):
         raise TypeError(f"config: expected MosaicAttentionTiles for pallas_mosaic_gpu, got {type(config).__name__}")
     params = compat.mosaic_gpu_interpret_params() if interpret else False
     if interpret and params is None:
         raise ValueError("interpret: this jax has no Mosaic GPU interpret mode")
     return pallas_mosaic_gpu.sparse_mla_attention_mosaic(
-        q, records, indices, counts, sm_scale, layout=layout, config=config or MosaicAttentionTiles(),
+        q, records, indices, counts, sm_scale, layout=layout, config=config,
         out_dtype=out_dtype, interpret=params)
 
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -70,11 +71,18 @@ NOPE_DIM, ROPE_DIM = 512, 64
 # 32 e4m3 group scales [256, 288) (one per 16 elements), padding, bf16 RoPE [304, 432)
 FP8 = RecordLayout("fp8_tiles", nope_dim=NOPE_DIM, rope_dim=ROPE_DIM, quant_block=PART)
 NVFP4 = RecordLayout("nvfp4_groups", nope_dim=NOPE_DIM, rope_dim=ROPE_DIM, quant_block=16, pad_bytes=16)
-LAYOUTS = (FP8, NVFP4)
+# bf16: NoPE and RoPE values [0, 1152), copied as they are into the K tile
+BF16 = RecordLayout("bf16", nope_dim=NOPE_DIM, rope_dim=ROPE_DIM)
+LAYOUTS = (FP8, NVFP4, BF16)
+SMEM_BYTES = 227 * 1024     # an SM90 CTA's shared memory
 MAX_TOP_K = 4096            # a token's index row lives in SMEM beside the ~200 KB of tiles
 WARPS_PER_WARPGROUP = 4
 COPIES_PER_ROW = 3          # the NoPE bytes, the 128 bytes from the scales on, the RoPE
 COPY_GRANULE = 128          # bytes: every record copy moves a multiple of it
+# bf16 records go straight into the K tile (128-byte swizzles): a K row lies in nine 128-byte
+# chunks of 64 columns, one copy each
+BF16_CHUNK_COLUMNS = 64
+BF16_CHUNKS = (NOPE_DIM + ROPE_DIM) // BF16_CHUNK_COLUMNS
 # nvfp4: packed NoPE bytes converted at a time (the expanded group scales of that many columns
 # are float32 registers beside the accumulators)
 NVFP4_CONVERT_BYTES = 64
@@ -98,36 +106,67 @@ class MosaicAttentionTiles:
     # exponentials, half the score registers; 147.6 against 123.8 TFLOP/s at 64 heads on the
     # H200); False: each computes every score of the tile (and the whole softmax)
     split_scores: bool = True
+    # bf16 records, which the memory warpgroup copies straight into K tiles: the tiles in flight
+    # (2: the next tile's copies run during this one's products; the SMEM of two 64-row tiles
+    # leaves none for split scores' exchange, so 2 takes split_scores=False and a top-k of at
+    # most 2,048).  fp8 and nvfp4 go through one raw slot into one K tile.
+    k_slots: int = 1
 
     def __post_init__(self):
         selection.check_power_of_two_fields(self, ("block_k",))
         if self.block_k != 64:
-            raise ValueError(f"block_k: expected 64 (the WGMMA layout's rows), got {self.block_k}")
+            raise ValueError(f"block_k: expected 64 (the WGMMA layout's rows; a wgmma's K groups), got {self.block_k}")
+        if self.k_slots not in (1, 2):
+            raise ValueError(f"k_slots: expected 1 or 2, got {self.k_slots}")
         if self.copy_warps not in (1, WARPS_PER_WARPGROUP):
             raise ValueError(f"copy_warps: expected 1 or {WARPS_PER_WARPGROUP}, got {self.copy_warps}")
         if not isinstance(self.split_scores, bool):
             raise TypeError(f"split_scores: expected a bool, got {self.split_scores!r}")
 
 
-def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, out_ref, lse_ref,
-            q_smem, idx_smem, nope_raw, scale_raw, rope_raw, k_smem, scales_smem, p_smem, maxes_smem, stats_smem,
-            loaded, raw_bars, tile_syncs, *, kind, copies, num_records, top_k, block_k, copy_warps, split,
-            interpret):
+def default_tiles(layout: RecordLayout) -> MosaicAttentionTiles:
+    """The measured best config for `layout` (BENCHMARKS.md, H200, 64 and 128 heads): split scores
+    for fp8 and nvfp4; for bf16 two K tiles in flight (170 against 115 TFLOP/s with one tile and
+    split scores at 64 heads), which leaves no SMEM for the split."""
+    if layout.kind == "bf16":
+        return MosaicAttentionTiles(split_scores=False, k_slots=2)
+    return MosaicAttentionTiles()
+
+
+def _bf16_row_of(slot, j, chunk, block_k):
+    """The row of k_rows (the K slots seen as 128-byte rows) that holds columns [64 chunk, 64 chunk
+    + 64) of row j of K slot `slot`: the slots' [8, 64] tiles lie row-major over (slot, j // 8,
+    chunk), eight rows each, and the 128-byte swizzle of a row depends on its address alone."""
+    tile = (slot * (block_k // 8) + lax.div(j, 8)) * BF16_CHUNKS + chunk
+    return tile * 8 + lax.rem(j, 8)
+
+
+def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, zero_row, out_ref, lse_ref,
+            q_smem, idx_smem, raw, k_views, exchange, loaded, raw_bars, tile_syncs, slot_free, idx_bars, *, kind,
+            copies, num_records, top_k, block_k, slots, copy_warps,
+            split, interpret):
     # idx_ref: i32[T, top_k]; count_ref: i32[T]; scale_ref: f32[1]; q_ref: bf16[T, H_pad, 576]
     # (nvfp4: the NoPE's even elements, then its odd ones)
     # rec_u8 / rec_scales / rec_bf16: the records u8[N, R], viewed as u8, as f32 (fp8: its tile
-    # scales) or u8 (nvfp4: its group scales), and as bf16; copies: ((start, width) in each view)
-    # of the three copies of a row: NoPE, the COPY_GRANULE bytes from the scales on, RoPE
+    # scales) or u8 (nvfp4: its group scales), and as bf16 (bf16: [N, 576]); copies: ((start,
+    # width) in each view) of the three copies of a row: NoPE, the COPY_GRANULE bytes from the
+    # scales on, RoPE (fp8, nvfp4); zero_row: bf16[1, 576] of zeros (bf16: masked entries' rows)
     # out_ref: [T, H_pad, 512] (bf16 or f32; nvfp4: even elements, then odd); lse_ref: f32[T, H_pad]
-    # q_smem: bf16[64, 576] (swizzled); idx_smem: i32[top_k]
-    # nope_raw: u8[block_k, NoPE bytes + pad]; scale_raw: fp8 f32[block_k, 32 + pad] (scales in
-    # columns 0-3), nvfp4 u8[block_k, 128 + pad] (scales in columns 0-31); rope_raw: bf16[block_k,
-    # 64 + pad] (each row padded by ROW_PAD_BYTES); k_smem: bf16[block_k, 576] (swizzled);
-    # scales_smem: f32[4, block_k] (fp8 only); with split scores: p_smem bf16[64, block_k + pad] (the softmax
+    # q_smem: bf16[64, 576] (swizzled); idx_smem: i32[top_k], the token's index row (bf16: a ring
+    # i32[slots, block_k] of the tiles' indices, copied in turn, so that two K tiles fit SMEM)
+    # raw (fp8, nvfp4; bf16: empty): nope_raw u8[block_k, NoPE bytes + pad], scale_raw fp8
+    # f32[block_k, 32 + pad] (scales in columns 0-3) or nvfp4 u8[block_k, 128 + pad] (scales in
+    # columns 0-31), rope_raw bf16[block_k, 64 + pad] (each row padded by ROW_PAD_BYTES)
+    # k_views: (k_smem,) bf16[block_k, 576] (swizzled); bf16: k_smem bf16[slots, block_k, 576]
+    # (swizzled) and, compiled, k_rows bf16[slots * block_k * 9, 64], the same bytes seen as
+    # swizzled 128-byte rows, each the target of one row's 64 columns (`_bf16_row_of`);
+    # exchange: scales_smem f32[4, block_k] (fp8 only); with split scores: p_smem bf16[64, block_k + pad] (the softmax
     # weights of both halves), maxes_smem f32[2, 64] (each half's row maxima), stats_smem f32[6, 64]
     # (each warpgroup's sums, NaN and entry flags at the end)
-    # loaded: barriers[2] (q, the index row); raw_bars: barriers[copy_warps] of the tile's record
-    # copies (row j's on barrier j % copy_warps); tile_syncs: barriers[6] of the compute
+    # loaded: barriers[2] (q, the index row); raw_bars: barriers[slots * copy_warps] of the tile's
+    # record copies (row j of slot s on barrier s * copy_warps + j % copy_warps); slot_free:
+    # barriers[slots] (bf16: both compute warpgroups are done with the slot); idx_bars:
+    # barriers[slots] (bf16: the ring's indices of the slot arrived); tile_syncs: barriers[6] of the compute
     # warpgroups (both read the tile's records, wrote K, read K; with split scores: wrote their
     # row maxima, their softmax weights, their final sums)
     plgpu = compat.plgpu
@@ -139,6 +178,24 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
     num_tiles = (count + block_k - 1) // block_k
     heads = pl.ds(hb * HEADS_PER_CTA, HEADS_PER_CTA)
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
+    direct = kind == "bf16"              # records copied straight into the K tile (slots of it)
+    k_smem = k_views[0]
+    scales_smem, p_smem, maxes_smem, stats_smem = exchange
+    if not direct:
+        nope_raw, scale_raw, rope_raw = raw
+
+    def k_tile(i):
+        """The K tile of tile i: bf16[block_k, 576] (swizzled)."""
+        return k_smem.at[lax.rem(i, slots)] if direct else k_smem
+
+    def raw_bar(i, b):
+        return compat.barrier_at(raw_bars, lax.rem(i, slots) * copy_warps + b)
+
+    def indices(i, first, size):
+        """The ref of tile i's indices [first, first + size) (of its block_k)."""
+        if direct:
+            return idx_smem.at[lax.rem(i, slots), pl.ds(first, size)]
+        return idx_smem.at[pl.ds(i * block_k + first, size)]
 
     def load(ref, layout):
         """ref[...] in `layout`, from an SMEM ref without transforms (interpret mode has no
@@ -188,27 +245,57 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        plgpu.copy_gmem_to_smem(idx_ref.at[t], idx_smem, idx_bar, oob_mode=in_bounds)
-        plgpu.barrier_wait(idx_bar)
+        if not direct:
+            plgpu.copy_gmem_to_smem(idx_ref.at[t], idx_smem, idx_bar, oob_mode=in_bounds)
+            plgpu.barrier_wait(idx_bar)
 
         def copy_rows(i, first, step):
-            """The copies of rows first, first + step, ... of tile i, row j's onto raw_bars[j % copy_warps]."""
+            """The copies of rows first, first + step, ... of tile i, row j's onto raw_bar(i, j % copy_warps)."""
             @pl.loop(first, block_k, step=step)
             def _row(j):
                 pos = i * block_k + j
-                row = idx_smem[pos]
-                row = jnp.where(entry_ok(pos, row), row, 0)     # masked entries copy row 0, never used
-                bar = compat.barrier_at(raw_bars, j % copy_warps)
+                row = idx_smem[lax.rem(i, slots), j] if direct else idx_smem[pos]
+                ok = entry_ok(pos, row)
+                bar = raw_bar(i, j % copy_warps)
+                if direct:
+                    # masked entries copy a row of zeros: their K rows must be finite (a weight of
+                    # 0 times a NaN of row 0 would be NaN)
+                    pl.when(ok)(lambda: copy_bf16_row(rec_bf16, row, i, j, bar))
+                    pl.when(jnp.logical_not(ok))(lambda: copy_bf16_row(zero_row, 0, i, j, bar))
+                    return
+                row = jnp.where(ok, row, 0)     # masked entries copy row 0, never used
                 for src, dst, (first, width) in zip((rec_u8, rec_scales, rec_bf16), (nope_raw, scale_raw, rope_raw),
                                                     copies):
                     plgpu.copy_gmem_to_smem(src.at[row, pl.ds(first, width)], dst.at[j, pl.ds(0, width)], bar,
                                             oob_mode=in_bounds)
 
+        def copy_bf16_row(src, row, i, j, bar):
+            """Row `row` of src bf16[rows, 576] into row j of tile i's K slot: compiled, one copy per
+            64 columns into its swizzled 128-byte row of k_rows (a copy of a whole row of k_smem
+            would cut its 8-row tiles)."""
+            if interpret:
+                plgpu.copy_gmem_to_smem(src.at[row], k_smem.at[lax.rem(i, slots), j], bar)
+                return
+            for c in range(BF16_CHUNKS):
+                plgpu.copy_gmem_to_smem(src.at[pl.ds(row, 1), pl.ds(c * BF16_CHUNK_COLUMNS, BF16_CHUNK_COLUMNS)],
+                                        k_views[1].at[pl.ds(_bf16_row_of(lax.rem(i, slots), j, c, block_k), 1)],
+                                        bar, oob_mode=in_bounds)
+
         @pl.loop(0, num_tiles)
         def _tile(i):
-            @pl.when(i > 0)
-            def _():
-                plgpu.barrier_wait(consumed_bar)         # both compute warpgroups read the slot
+            if direct:
+                @pl.when(i >= slots)
+                def _():                  # both compute warpgroups are done with tile i - slots
+                    plgpu.barrier_wait(compat.barrier_at(slot_free, lax.rem(i, slots)))
+
+                ring_bar = compat.barrier_at(idx_bars, lax.rem(i, slots))
+                plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds(i * block_k, block_k)], idx_smem.at[lax.rem(i, slots)],
+                                        ring_bar, oob_mode=in_bounds)
+                plgpu.barrier_wait(ring_bar)
+            else:
+                @pl.when(i > 0)
+                def _():
+                    plgpu.barrier_wait(consumed_bar)         # both compute warpgroups read the slot
 
             if copy_warps == 1 or interpret:     # the interpreter has no warp-level scopes: one issuer
                 copy_rows(i, 0, 1)
@@ -217,15 +304,22 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                 def _per_warp():
                     copy_rows(i, lax.axis_index("warp"), copy_warps)
 
-        @pl.when(num_tiles > 0)
-        def _():
-            plgpu.barrier_wait(consumed_bar)        # the last tile's: every phase of the barrier observed
+        # every phase of the slot barriers observed: the last tiles'
+        if direct:
+            @pl.loop(jnp.maximum(num_tiles - slots, 0), num_tiles)
+            def _(i):
+                plgpu.barrier_wait(compat.barrier_at(slot_free, lax.rem(i, slots)))
+        else:
+            @pl.when(num_tiles > 0)
+            def _():
+                plgpu.barrier_wait(consumed_bar)
 
     def compute(w):
         plgpu.set_max_registers(232, action="increase")
         if w == 0:
             plgpu.copy_gmem_to_smem(q_ref.at[t, heads], q_smem, q_bar)
-        plgpu.barrier_wait(idx_bar)
+        if not direct:
+            plgpu.barrier_wait(idx_bar)
         plgpu.barrier_wait(q_bar)
         sm_scale = scale_ref[0]
         wgmma = plgpu.Layout.WGMMA
@@ -286,19 +380,21 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
             accs, m_prev, l_prev, nan_seen, seen = carry
             pos0 = i * block_k
             for b in range(copy_warps):
-                plgpu.barrier_wait(compat.barrier_at(raw_bars, b))
-            k_rows = load(idx_smem.at[pl.ds(pos0, block_k)], rows_of)
-            k_pos = pos0 + iota((block_k,), 0, rows_of)
-            row_ok = entry_ok(k_pos, k_rows)
-            if kind == "fp8_tiles":
-                fp8_share(row_ok)
-            else:
-                nvfp4_share(row_ok)
-            if w == 0:
-                k_smem[:, pl.ds(NOPE_DIM, ROPE_DIM)] = load(rope_raw.at[:, pl.ds(0, ROPE_DIM)], wgmma)
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(consumed_bar)
-            sync(k_ready)
+                plgpu.barrier_wait(raw_bar(i, b))
+            k_cur = k_tile(i)
+            if not direct:
+                k_rows = load(indices(i, 0, block_k), rows_of)
+                k_pos = pos0 + iota((block_k,), 0, rows_of)
+                row_ok = entry_ok(k_pos, k_rows)
+                if kind == "fp8_tiles":
+                    fp8_share(row_ok)
+                else:
+                    nvfp4_share(row_ok)
+                if w == 0:
+                    k_smem[:, pl.ds(NOPE_DIM, ROPE_DIM)] = load(rope_raw.at[:, pl.ds(0, ROPE_DIM)], wgmma)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(consumed_bar)
+                sync(k_ready)
 
             # the scores of this warpgroup's entries (split: its half of the tile; else all): the
             # RoPE part, then each NoPE part times its tile scale.  Nothing of the tile's shape
@@ -309,7 +405,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
             keys = pl.ds(first_key, num_keys)
 
             def scores(cols):
-                return scores_of(q_smem.at[:, cols], k_smem.at[keys, cols])
+                return scores_of(q_smem.at[:, cols], k_cur.at[keys, cols])
 
             def part_scale(p, columns):
                 return lax.broadcast_in_dim(load(scales_smem.at[p, columns], cols_of),
@@ -319,9 +415,9 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                 s = scores(pl.ds(NOPE_DIM, ROPE_DIM))
                 for p in range(NUM_PARTS):
                     s = s + scores(pl.ds(p * PART, PART)) * part_scale(p, keys)
-            else:                          # the scales are in K: one product over all 576 columns
+            else:                          # scales in K (nvfp4) or none: one product over all 576 columns
                 s = scores(pl.ds(0, NOPE_DIM + ROPE_DIM))
-            s_rows = load(idx_smem.at[pl.ds(pos0 + first_key, num_keys)], cols_of)
+            s_rows = load(indices(i, first_key, num_keys), cols_of)
             s_pos = pos0 + first_key + iota((num_keys,), 0, cols_of)
             s_ok = lax.broadcast_in_dim(entry_ok(s_pos, s_rows), (HEADS_PER_CTA, num_keys), (1,))
             seen = jnp.maximum(seen, jnp.max(jnp.where(s_ok, 1.0, 0.0), axis=1))
@@ -349,9 +445,15 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                 if weights is None:
                     weights = (p_ * part_scale(p, pl.ds(0, block_k))).astype(jnp.bfloat16)
                 acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
-                new_accs.append(accumulate(acc, weights, k_smem.at[:, pl.ds(p * PART, PART)]))
+                new_accs.append(accumulate(acc, weights, k_cur.at[:, pl.ds(p * PART, PART)]))
             plgpu.wgmma_wait(0)
-            sync(k_free)
+            if direct:
+                # the slot is the memory warpgroup's again; the SMEM both exchange through needs
+                # no barrier here (each reads the other's maxima and weights before it arrives at
+                # the next exchange, which the other waits for before writing again)
+                plgpu.barrier_arrive(compat.barrier_at(slot_free, lax.rem(i, slots)))
+            else:
+                sync(k_free)              # the next tile's conversion overwrites K
             return tuple(new_accs), m_new, l_new, nan_seen, seen
 
         zeros = lambda shape, layout: in_layout(jnp.zeros(shape, jnp.float32), layout)
@@ -395,17 +497,24 @@ def record_copies(layout: RecordLayout) -> tuple[tuple[int, int], ...]:
             (rope.offset // 2, rope.width // 2))
 
 
+def _scratch_bytes(scratch) -> int:
+    """Bytes of the SMEM refs among `scratch` (a tree of them; barriers aside)."""
+    refs = jax.tree.leaves(scratch, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+    return sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in refs
+               if hasattr(r, "shape") and hasattr(r, "dtype"))
+
+
 @functools.partial(jax.jit, static_argnames=("layout", "config", "out_dtype", "interpret"))
 def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout: RecordLayout = FP8,
-                                config: MosaicAttentionTiles = MosaicAttentionTiles(), out_dtype=jnp.bfloat16,
-                                interpret=False):
-    """The contract of `reference.attention_reference` for fp8_ds_mla or nvfp4_ds_mla records
-    (`LAYOUTS`), out in `out_dtype` (bf16, or float32 for partials that a merge combines).
+                                config: MosaicAttentionTiles | None = None, out_dtype=jnp.bfloat16, interpret=False):
+    """The contract of `reference.attention_reference` for fp8_ds_mla, nvfp4_ds_mla or bf16
+    records (`LAYOUTS`), out in `out_dtype` (bf16, or float32 for partials that a merge combines).
+    config: None takes `default_tiles(layout)`.
 
     interpret: False, or a Mosaic GPU interpret-params object (GPU interpret mode, for tests)."""
     plgpu = compat.plgpu
     if layout not in LAYOUTS:
-        raise ValueError(f"layout: the pallas_mosaic_gpu kernel reads fp8_ds_mla and nvfp4_ds_mla records, "
+        raise ValueError(f"layout: the pallas_mosaic_gpu kernel reads fp8_ds_mla, nvfp4_ds_mla and bf16 records, "
                          f"got {layout.kind} records of {layout.record_bytes} bytes")
     t, h, _ = q.shape
     n = records.shape[0]
@@ -414,7 +523,12 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
     if t == 0 or h == 0 or n == 0:
         out = jnp.zeros((t, h, NOPE_DIM), out_dtype)
         return out, jnp.full((t, h), -jnp.inf, jnp.float32)
+    direct = layout.kind == "bf16"
+    config = config or default_tiles(layout)
     block_k = config.block_k
+    slots = config.k_slots if direct else 1
+    if slots > 1 and config.split_scores:
+        raise ValueError(f"config: {slots} K slots leave no shared memory for split scores; got {config}")
     hp = -(-h // HEADS_PER_CTA) * HEADS_PER_CTA
     k = max(indices.shape[1], 1)
     kp = -(-k // block_k) * block_k
@@ -430,38 +544,67 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
     rec_scales = lax.bitcast_convert_type(records.reshape(n, width // 4, 4), jnp.float32) \
         if layout.kind == "fp8_tiles" else records
     rec_bf16 = lax.bitcast_convert_type(records.reshape(n, width // 2, 2), jnp.bfloat16)
-    copies = record_copies(layout)
-    scale_dtype = jnp.float32 if layout.kind == "fp8_tiles" else jnp.uint8
-    pad = lambda dtype: ROW_PAD_BYTES // jnp.dtype(dtype).itemsize
+    zero_row = jnp.zeros((1, NOPE_DIM + ROPE_DIM), jnp.bfloat16)
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    if direct:
+        copies, raw, copies_per_row = (), (), 1 if interpret else BF16_CHUNKS
+        k_shape = (slots, block_k, NOPE_DIM + ROPE_DIM)
+        # the interpreter has no tiles or swizzles: its copies write whole rows of k_smem
+        k_views = (plgpu.SMEM(k_shape, jnp.bfloat16),) if interpret else plgpu.RefUnion(
+            plgpu.SMEM(k_shape, jnp.bfloat16, transforms=swizzled),
+            plgpu.SMEM((slots * block_k * BF16_CHUNKS, BF16_CHUNK_COLUMNS), jnp.bfloat16,
+                       transforms=(plgpu.TilingTransform((1, BF16_CHUNK_COLUMNS)), plgpu.SwizzleTransform(128))))
+    else:
+        copies, copies_per_row = record_copies(layout), COPIES_PER_ROW
+        scale_dtype = jnp.float32 if layout.kind == "fp8_tiles" else jnp.uint8
+        pad = lambda dtype: ROW_PAD_BYTES // jnp.dtype(dtype).itemsize
+        raw = (plgpu.SMEM((block_k, copies[0][1] + pad(jnp.uint8)), jnp.uint8),
+               plgpu.SMEM((block_k, copies[1][1] + pad(scale_dtype)), scale_dtype),
+               plgpu.SMEM((block_k, ROPE_DIM + pad(jnp.bfloat16)), jnp.bfloat16))
+        k_views = (plgpu.SMEM((block_k, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),)
     kernel = functools.partial(_kernel, kind=layout.kind, copies=copies, num_records=n, top_k=kp, block_k=block_k,
-                               copy_warps=config.copy_warps, split=config.split_scores, interpret=bool(interpret))
+                               slots=slots, copy_warps=config.copy_warps, split=config.split_scores,
+                               interpret=bool(interpret))
+    split = config.split_scores
+    # the tile scales (fp8) and the exchange of split scores, minimal where unused (and then one
+    # allocation: each is aligned on its own)
+    exchange = (plgpu.SMEM((NUM_PARTS, block_k) if layout.kind == "fp8_tiles" else (1, 8), jnp.float32),
+                plgpu.SMEM((HEADS_PER_CTA, block_k + ROW_PAD_BYTES // 2) if split else (8, 8), jnp.bfloat16),
+                plgpu.SMEM((2, HEADS_PER_CTA) if split else (1, 8), jnp.float32),
+                plgpu.SMEM((6, HEADS_PER_CTA) if split else (1, 8), jnp.float32))
+    if direct and not split:
+        exchange = plgpu.RefUnion(*exchange)     # unused: aliased
+    smem = [
+        plgpu.SMEM((HEADS_PER_CTA, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),
+        plgpu.SMEM((slots, block_k) if direct else (kp,), jnp.int32),
+        raw,
+        k_views,
+        exchange,
+    ]
+    # a union's bytes: its largest member's (the K tiles; the row view aliases them)
+    smem_bytes = _scratch_bytes(smem[:3] + [k_views.refs[0] if isinstance(k_views, plgpu.RefUnion) else k_views]
+                                + [exchange])
+    if smem_bytes > SMEM_BYTES:
+        raise ValueError(f"config: {slots} K tile(s) of {block_k} rows with a top-k of {kp} need {smem_bytes} bytes "
+                         f"of shared memory, more than the {SMEM_BYTES} of a CTA; got {config}")
     extra = {"interpret": interpret} if interpret else {}
     out, lse = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((t, hp, NOPE_DIM), out_dtype), jax.ShapeDtypeStruct((t, hp), jnp.float32)),
         grid=(t, hp // HEADS_PER_CTA), grid_names=("t", "hb"), num_threads=3, thread_name="wg",
-        scratch_types=[
-            plgpu.SMEM((HEADS_PER_CTA, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),
-            plgpu.SMEM((kp,), jnp.int32),
-            plgpu.SMEM((block_k, copies[0][1] + pad(jnp.uint8)), jnp.uint8),
-            plgpu.SMEM((block_k, copies[1][1] + pad(scale_dtype)), scale_dtype),
-            plgpu.SMEM((block_k, ROPE_DIM + pad(jnp.bfloat16)), jnp.bfloat16),
-            plgpu.SMEM((block_k, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),
-            plgpu.SMEM((NUM_PARTS, block_k), jnp.float32),
-            plgpu.SMEM((HEADS_PER_CTA, block_k + ROW_PAD_BYTES // 2), jnp.bfloat16),
-            plgpu.SMEM((2, HEADS_PER_CTA), jnp.float32),
-            plgpu.SMEM((6, HEADS_PER_CTA), jnp.float32),
+        scratch_types=smem + [
             plgpu.Barrier(num_arrivals=1, num_barriers=2),
-            plgpu.Barrier(num_arrivals=COPIES_PER_ROW * block_k // config.copy_warps,
-                          num_barriers=config.copy_warps),
+            plgpu.Barrier(num_arrivals=copies_per_row * block_k // config.copy_warps,
+                          num_barriers=slots * config.copy_warps),
             plgpu.Barrier(num_arrivals=2, num_barriers=6),
+            plgpu.Barrier(num_arrivals=2, num_barriers=slots),
+            plgpu.Barrier(num_arrivals=1, num_barriers=slots),
         ],
         # Lane semantics (jax 0.11's default is Warpgroup, whose layout inference cannot place
         # the 1-D index and scale vectors): the layouts are the kernel's own
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         kernel_name=f"ckv_sparse_mla_attention_mgpu_{layout.kind}", **extra,
-    )(idx, counts, scale, q16, records, rec_scales, rec_bf16)
+    )(idx, counts, scale, q16, records, rec_scales, rec_bf16, zero_row)
     out = out[:, :h]
     if layout.kind == "nvfp4_groups":                   # even elements, then odd -> interleaved
         out = record_codec.join_even_odd(out)
