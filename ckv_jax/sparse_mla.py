@@ -110,7 +110,7 @@ def sparse_mla_attention(q, records, indices, counts, sm_scale, *, format: str |
       implementation: None (the measured choice for the device, else a kernel where one runs
         compiled, XLA elsewhere), one of
         IMPLEMENTATIONS ("pallas_triton": the Triton kernel, every format; "pallas_mosaic_gpu":
-        the warp-specialized wgmma kernel, fp8_ds_mla records, SM90+), or a sequence tried in order.
+        the warp-specialized wgmma kernel, every format, SM90+), or a sequence tried in order.
       interpret: run a Pallas kernel in interpret mode (CPU testing).
     Returns:
       out bf16[T, H, 512], lse f32[T, H].

@@ -6,14 +6,14 @@ record formats, SM90+, interpret mode on CPU) and ``"xla"`` (the reference block
 query tokens, any backend).  `implementation=None` takes the measured order for the device and size
 (`pallas_kernels.tuning`, op "sparse_mla_attention"; no device kind has one yet), else
 DEFAULT_ORDER: a kernel wherever one runs compiled (a GPU; the Mosaic GPU kernel only for
-the records it reads), XLA elsewhere.  Triton comes first: it reads every format, and at 16 heads
-it is the faster of the two on fp8 records (on the H200, one run: 46.6 against 30.2 TFLOP/s; the
-Mosaic kernel's split scores reached 35.9 in another).  From MOSAIC_FIRST_HEADS heads a call on,
-compiled on a GPU, the Mosaic GPU kernel comes first for the records it reads (64 heads, the same
-run: 124 against 85.8; 147.6 with split scores; BENCHMARKS.md): its CTA always computes 64 heads,
-so its time does not fall with fewer, while Triton's does.  The work a measured table is
-keyed by (FLOPs) does not tell these apart (a decode step of 128 heads has less work than a
-prefill chunk of 16), so the head count decides, and a measured order still comes first.
+the records it reads), XLA elsewhere.  Triton comes first: at 16 heads it is the faster of the
+two on fp8 records (on the H200, one run: 46.6 against 30.2 TFLOP/s; the Mosaic kernel's split
+scores reached 35.9 in another).  From MOSAIC_FIRST_HEADS heads a call on, compiled on a GPU, the
+Mosaic GPU kernel comes first (64 heads: 147 against 85 TFLOP/s on fp8, 159 against 73 on nvfp4,
+172 against 121 on bf16; BENCHMARKS.md): its CTA always computes 64 heads, so its time does not
+fall with fewer, while Triton's does.  The work a measured table is keyed by (FLOPs) does not
+tell these apart (a decode step of 128 heads has less work than a prefill chunk of 16), so the
+head count decides, and a measured order still comes first.
 """
 from __future__ import annotations
 

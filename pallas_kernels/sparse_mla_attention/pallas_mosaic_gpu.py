@@ -1,4 +1,4 @@
-"""Mosaic GPU sparse-MLA attention over fp8_ds_mla and nvfp4_ds_mla records, with wgmma on SM90.
+"""Mosaic GPU sparse-MLA attention over fp8_ds_mla, nvfp4_ds_mla and bf16 records, with wgmma on SM90.
 
 Grid (T, H_pad / 64): CTA (t, b) computes heads [64 b, 64 b + 64) of query token t, the wgmma's
 M (fewer heads are padded to 64, so 16 heads cost what 64 do).  Three warpgroups:
@@ -34,19 +34,29 @@ scales multiply the float32 products, and only the softmax weights round to bf16
 exchanged, and again once multiplied by the part's scale).  Same contract as
 `reference.attention_reference`; SM90+ (wgmma, bulk copies).
 
-Where it stands (BENCHMARKS.md; T = 4,096, top-k 2,048, 262K records, device timeline): 147.6
-TFLOP/s at 64 heads with the default config, against 83.7 before three changes.
-ncu had both compute warpgroups spilling (16M local-memory requests at T = 256) and 46% of the
-SMEM wavefronts excessive. Now no tile-shaped scale or mask array is held across the wgmmas
-(124 TFLOP/s, spills halved), the raw rows are padded off one SMEM bank (excessive wavefronts
-1%), and `split_scores` gives each compute warpgroup half of the tile's entries: half the score
-wgmmas and exponentials, the row maxima and the bf16 softmax weights exchanged through SMEM
-(147.6). Four copy issuers (`copy_warps=4`) matter now: 147.6 against 95.3 with one. The time
-does not change from 16 to 64 heads (a CTA always holds 64): 35.9 TFLOP/s at 16.
+bf16 records skip the raw slot: the memory warpgroup copies each record straight into the K tile,
+one TMA copy per 128-byte chunk of a row into `k_rows`, a second view of the same SMEM whose rows
+are the tile's swizzled 128-byte rows (the swizzle depends on the address alone; a copy into one
+row of the tiled view would cut its 8-row tiles); masked entries copy a row of zeros.  Without
+the raw slot two K tiles fit beside Q (`k_slots=2`) once the token's indices pass through a ring
+of two tiles instead of SMEM whole, so the copies of tile i + 1 run during tile i's products; they
+leave no SMEM for split scores.
+
+Where it stands (BENCHMARKS.md; T = 4,096, top-k 2,048, 262K records, device timeline): 147 TFLOP/s
+on fp8 at 64 heads (154 at 128), 159 on nvfp4 (160), 172 on bf16 with two K tiles (179; 115 with
+one).  For fp8, ncu had both compute warpgroups spilling (16M local-memory requests at T = 256)
+and 46% of the SMEM wavefronts excessive; then no tile-shaped scale or mask array was held across
+the wgmmas (124 TFLOP/s, spills halved), the raw rows were padded off one SMEM bank (excessive
+wavefronts 1%), and `split_scores` gave each compute warpgroup half of the tile's entries: half
+the score wgmmas and exponentials, the row maxima and the bf16 softmax weights exchanged through
+SMEM (147.6). Four copy issuers (`copy_warps=4`) matter: 147.6 against 95.3 with one. The time
+does not change from 16 to 64 heads (a CTA always holds 64): 35.9 TFLOP/s at 16.  What bf16's two
+tiles gain (1.5x) is what fp8 and nvfp4 lose to converting between the products, not beside them.
 
 Interpret mode (CPU tests) runs the same pipeline, copies, barriers and masks; it has no register
-layouts and its wgmma takes neither a transposed operand nor an accumulator initialised from a
-value, so there the loads are plain, and the products are float32 dots of the same SMEM tiles.
+layouts, tiles or swizzles, and its wgmma takes neither a transposed operand nor an accumulator
+initialised from a value, so there the loads are plain, bf16's copies write whole rows of the K
+tile, and the products are float32 dots of the same SMEM tiles.
 """
 from __future__ import annotations
 
