@@ -341,6 +341,7 @@ def test_the_xla_implementation_bounds_its_temporaries():
     (FakeDevice(), "nvfp4_ds_mla", 1 << 30, 64, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(), "bf16", 1 << 30, 64, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(), "fp8_ds_mla", 1 << 30, 64, 8192, False, "pallas_triton"),       # a top-k past its SMEM
+    (FakeDevice(), "bf16", 1 << 30, 64, 8192, False, "pallas_mosaic_gpu"),          # indices in a ring
     (FakeDevice(compute_capability="8.0"), "fp8_ds_mla", 1 << 30, 64, 2048, False, "pallas_triton"),
     (FakeDevice(platform="cpu"), "fp8_ds_mla", 1 << 30, 64, 2048, True, "pallas_triton"),
 ])
