@@ -15,6 +15,7 @@ from ckv_jax.benchmarks import timing as timing_mod
 from pallas_kernels import cache_writer, paged_gather, selection, sparse_mla_attention, tuning
 from pallas_kernels.cache_writer import WriterTiles
 from pallas_kernels.paged_gather import GatherTiles
+from pallas_kernels.record_layout import RecordLayout
 from pallas_kernels.sparse_mla_attention import AttentionTiles
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
@@ -99,7 +100,10 @@ def test_an_implementation_with_its_own_tiles_gets_them_from_the_table(tuned):
     cpu, fp8 = jax.devices()[0], formats.get("fp8_ds_mla").layout
     chosen = attention_api.select(None, cpu, fp8, 1 << 20, 64, 16, 2048, interpret=True)
     assert (chosen.name, chosen.config) == ("pallas_mosaic_gpu", MosaicAttentionTiles(copy_warps=1))
-    chosen = attention_api.select(None, cpu, formats.get("bf16").layout, 1 << 20, 64, 16, 2048, interpret=True)
+    # records the Mosaic kernel does not read (a layout of no registered format): the next measured
+    # implementation, with its own tiles
+    unread = RecordLayout("fp8_tiles", quant_block=64)
+    chosen = attention_api.select(None, cpu, unread, 1 << 20, 64, 16, 2048, interpret=True)
     assert (chosen.name, chosen.config) == ("pallas_triton", AttentionTiles(block_h=32))
 
 
