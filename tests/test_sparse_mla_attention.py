@@ -20,7 +20,6 @@ NAMES = ["fp8_ds_mla", "nvfp4_ds_mla", "bf16"]
 N = 96                     # records
 K = 37                     # top-k columns: not a multiple of any tile
 MOSAIC = "fp8_ds_mla"      # the format of the Mosaic GPU kernel's tests that run one format
-MOSAIC_NAMES = NAMES       # the formats it reads
 
 
 @np.errstate(invalid="ignore", over="ignore")
@@ -186,7 +185,7 @@ def test_bad_input_is_named_before_anything_runs():
 
 
 @pytest.mark.parametrize("heads", [16, 128, 5])
-@pytest.mark.parametrize("name", MOSAIC_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_the_mosaic_kernel_matches_the_oracle(name, heads, kernel_mode):
     """Heads padded to the CTA's 64 (5, 16) and two CTAs a token (128); K = 37 (one partial tile
     of 64), holes, rows outside [0, N), duplicates, counts 0 and 19."""

@@ -38,7 +38,7 @@ from ckv_jax.benchmarks.timing import (Timing, fastest, measure_copy, measure_in
 from pallas_kernels import cache_writer, compat, paged_gather, sparse_mla_attention, tuning
 from pallas_kernels.cache_writer import WriterTiles
 from pallas_kernels.paged_gather import GatherTiles
-from pallas_kernels.sparse_mla_attention import AttentionTiles, MosaicAttentionTiles
+from pallas_kernels.sparse_mla_attention import AttentionTiles, MosaicAttentionTiles, pallas_mosaic_gpu
 from pallas_kernels.sparse_mla_attention.api import reading
 
 BLOCK = 64
@@ -277,7 +277,7 @@ def sweep_attention(names, log, results, heads_list=ATTENTION_HEADS, implementat
             attention_op = sparse_mla_attention.SPARSE_MLA_ATTENTION
             variants = [(impl, cfg) for impl, configs in SWEPT_ATTENTION.items() for cfg in configs
                         if (implementations is None or impl in implementations) and impl in reading(fmt.layout)
-                        and (getattr(cfg, "k_slots", 1) == 1 or fmt.layout.kind == "bf16")
+                        and (getattr(cfg, "k_slots", 1) == 1 or pallas_mosaic_gpu.copies_into_k(fmt.layout))
                         and attention_op.implementation(impl).supported_on(jax.devices()[0], records.size, False)[0]]
             calls = [(q, records, indices, counts) for q, indices, counts in inputs]   # the table as an argument
             for impl, cfg in variants:

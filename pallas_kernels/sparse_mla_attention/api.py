@@ -104,8 +104,7 @@ def select(implementation: str | Sequence[str] | None, device: jax.Device, layou
     MOSAIC_FIRST_HEADS heads on where a token's top-k fits its SMEM."""
     skip = tuple(name for name in SPARSE_MLA_ATTENTION.names if name not in reading(layout))
     many_heads = (num_heads >= MOSAIC_FIRST_HEADS and "pallas_mosaic_gpu" not in skip
-                  and (top_k <= pallas_mosaic_gpu.MAX_TOP_K or layout.kind == "bf16")
-                  and compat.on_gpu(device) and not interpret)
+                  and pallas_mosaic_gpu.top_k_fits(layout, top_k) and compat.on_gpu(device) and not interpret)
     return SPARSE_MLA_ATTENTION.select(implementation, device, records_bytes, flops(num_tokens, num_heads, top_k, layout),
                                        interpret=interpret, config=config, skip=skip,
                                        default_order=MANY_HEADS_ORDER if many_heads else None)

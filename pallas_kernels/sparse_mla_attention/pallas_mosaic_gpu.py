@@ -116,8 +116,8 @@ class MosaicAttentionTiles:
     split_scores: bool = True
     # bf16 records, which the memory warpgroup copies straight into K tiles: the tiles in flight
     # (2: the next tile's copies run during this one's products; the SMEM of two 64-row tiles
-    # leaves none for split scores' exchange, so 2 takes split_scores=False and a top-k of at
-    # most 2,048).  fp8 and nvfp4 go through one raw slot into one K tile.
+    # leaves none for split scores' exchange, so 2 takes split_scores=False).  fp8 and nvfp4 go
+    # through one raw slot into one K tile, whatever this says.
     k_slots: int = 1
 
     def __post_init__(self):
@@ -132,11 +132,23 @@ class MosaicAttentionTiles:
             raise TypeError(f"split_scores: expected a bool, got {self.split_scores!r}")
 
 
+def copies_into_k(layout: RecordLayout) -> bool:
+    """Whether the kernel copies records of `layout` straight into its K tiles (bf16: nothing to
+    convert), their indices passing through a ring of tiles instead of the token's whole index row
+    in SMEM."""
+    return layout.kind == "bf16"
+
+
+def top_k_fits(layout: RecordLayout, top_k: int) -> bool:
+    """Whether a token's top-k of `top_k` entries fits the kernel's SMEM for records of `layout`."""
+    return copies_into_k(layout) or top_k <= MAX_TOP_K
+
+
 def default_tiles(layout: RecordLayout) -> MosaicAttentionTiles:
     """The measured best config for `layout` (BENCHMARKS.md, H200, 64 and 128 heads): split scores
     for fp8 and nvfp4; for bf16 two K tiles in flight (170 against 115 TFLOP/s with one tile and
     split scores at 64 heads), which leaves no SMEM for the split."""
-    if layout.kind == "bf16":
+    if copies_into_k(layout):
         return MosaicAttentionTiles(split_scores=False, k_slots=2)
     return MosaicAttentionTiles()
 
@@ -150,9 +162,8 @@ def _bf16_row_of(slot, j, chunk, block_k):
 
 
 def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, zero_row, out_ref, lse_ref,
-            q_smem, idx_smem, raw, k_views, exchange, loaded, raw_bars, tile_syncs, slot_free, idx_bars, *, kind,
-            copies, num_records, top_k, block_k, slots, copy_warps,
-            split, interpret):
+            q_smem, idx_smem, raw, k_views, exchange, loaded, raw_bars, tile_syncs, slot_free, idx_bars, *,
+            kind, copies, num_records, top_k, block_k, slots, copy_warps, split, interpret):
     # idx_ref: i32[T, top_k]; count_ref: i32[T]; scale_ref: f32[1]; q_ref: bf16[T, H_pad, 576]
     # (nvfp4: the NoPE's even elements, then its odd ones)
     # rec_u8 / rec_scales / rec_bf16: the records u8[N, R], viewed as u8, as f32 (fp8: its tile
@@ -186,7 +197,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
     num_tiles = (count + block_k - 1) // block_k
     heads = pl.ds(hb * HEADS_PER_CTA, HEADS_PER_CTA)
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
-    direct = kind == "bf16"              # records copied straight into the K tile (slots of it)
+    direct = kind == "bf16"              # records copied straight into the K tile (`copies_into_k`)
     k_smem = k_views[0]
     scales_smem, p_smem, maxes_smem, stats_smem = exchange
     if not direct:
@@ -493,14 +504,29 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
         pl.when(wg == w)(functools.partial(compute, w))
 
 
+def scale_view_dtype(layout: RecordLayout):
+    """The dtype the kernel views fp8 or nvfp4 records as for their scales: f32 (fp8's tile
+    scales), u8 (nvfp4's e4m3 group scales)."""
+    return jnp.float32 if layout.kind == "fp8_tiles" else jnp.uint8
+
+
+def records_as(records: jax.Array, dtype) -> jax.Array:
+    """u8[N, R] records viewed as dtype[N, R / itemsize] (the same bytes)."""
+    size = jnp.dtype(dtype).itemsize
+    if size == 1:
+        return records
+    n, width = records.shape
+    return lax.bitcast_convert_type(records.reshape(n, width // size, size), dtype)
+
+
 def record_copies(layout: RecordLayout) -> tuple[tuple[int, int], ...]:
-    """(start, width) of a row's three copies, each in its view of the records (u8; f32 for fp8's
-    tile scales, u8 for nvfp4's group scales; bf16): the NoPE bytes, the COPY_GRANULE bytes from
-    the scales on (the scales and what follows them), the RoPE."""
+    """(start, width) of a row's three copies, each in its view of the records (u8;
+    `scale_view_dtype`; bf16): the NoPE bytes, the COPY_GRANULE bytes from the scales on (the
+    scales and what follows them), the RoPE."""
     nope = layout.segments[0]
     scales = layout.segment("tile_scales_f32" if layout.kind == "fp8_tiles" else "group_scales_e4m3")
     rope = layout.segment("rope_bf16")
-    scale_word = 4 if layout.kind == "fp8_tiles" else 1
+    scale_word = jnp.dtype(scale_view_dtype(layout)).itemsize
     return ((nope.offset, nope.width), (scales.offset // scale_word, COPY_GRANULE // scale_word),
             (rope.offset // 2, rope.width // 2))
 
@@ -524,7 +550,7 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
     if t == 0 or h == 0 or n == 0:
         out = jnp.zeros((t, h, NOPE_DIM), out_dtype)
         return out, jnp.full((t, h), -jnp.inf, jnp.float32)
-    direct = layout.kind == "bf16"
+    direct = copies_into_k(layout)
     config = config or default_tiles(layout)
     block_k = config.block_k
     slots = config.k_slots if direct else 1
@@ -533,7 +559,7 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
     hp = -(-h // HEADS_PER_CTA) * HEADS_PER_CTA
     k = max(indices.shape[1], 1)
     kp = -(-k // block_k) * block_k
-    if kp > MAX_TOP_K and not direct:
+    if not top_k_fits(layout, kp):
         raise ValueError(f"indices: the pallas_mosaic_gpu kernel holds a token's index row in shared memory (fp8 "
                          f"and nvfp4 records), at most {MAX_TOP_K} entries; got int32[{t}, {indices.shape[1]}]")
     q16 = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, hp - h), (0, 0)))
@@ -541,10 +567,8 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
         q16 = jnp.concatenate([record_codec.split_even_odd(q16[..., :NOPE_DIM]), q16[..., NOPE_DIM:]], axis=-1)
     idx = jnp.pad(indices, ((0, 0), (0, kp - indices.shape[1])), constant_values=-1)
     scale = jnp.asarray(sm_scale, jnp.float32).reshape(1)
-    width = layout.record_bytes
-    rec_scales = lax.bitcast_convert_type(records.reshape(n, width // 4, 4), jnp.float32) \
-        if layout.kind == "fp8_tiles" else records
-    rec_bf16 = lax.bitcast_convert_type(records.reshape(n, width // 2, 2), jnp.bfloat16)
+    rec_scales = records if direct else records_as(records, scale_view_dtype(layout))
+    rec_bf16 = records_as(records, jnp.bfloat16)
     zero_row = jnp.zeros((1, NOPE_DIM + ROPE_DIM), jnp.bfloat16)
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     if direct:
@@ -559,7 +583,7 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
                        transforms=(plgpu.TilingTransform((1, BF16_CHUNK_COLUMNS)), plgpu.SwizzleTransform(128))))
     else:
         copies, copies_per_row = record_copies(layout), COPIES_PER_ROW
-        scale_dtype = jnp.float32 if layout.kind == "fp8_tiles" else jnp.uint8
+        scale_dtype = scale_view_dtype(layout)
         pad = lambda dtype: ROW_PAD_BYTES // jnp.dtype(dtype).itemsize
         raw = (plgpu.SMEM((block_k, copies[0][1] + pad(jnp.uint8)), jnp.uint8),
                plgpu.SMEM((block_k, copies[1][1] + pad(scale_dtype)), scale_dtype),
