@@ -197,15 +197,16 @@ def test_the_mosaic_kernel_matches_the_oracle(name, heads, kernel_mode):
     assert_close(name, got, oracle_attention(name, q, records, indices, counts, sm_scale), f"mosaic {name} H={heads}")
 
 
-@pytest.mark.parametrize("name, copy_warps, split_scores, k_slots", [
-    (MOSAIC, 1, False, 1), (MOSAIC, 4, False, 1), (MOSAIC, 4, True, 1), ("nvfp4_ds_mla", 4, True, 1),
-    ("bf16", 4, True, 1), ("bf16", 1, False, 2), ("bf16", 4, False, 2)])
-def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(name, copy_warps, split_scores, k_slots,
+@pytest.mark.parametrize("name, copy_issuers, split_scores, k_slots", [
+    (MOSAIC, 1, False, 1), (MOSAIC, 4, False, 1), (MOSAIC, 4, True, 1), (MOSAIC, 128, True, 1),
+    ("nvfp4_ds_mla", 4, True, 1), ("nvfp4_ds_mla", 128, True, 1), ("bf16", 4, True, 1), ("bf16", 1, False, 2),
+    ("bf16", 4, False, 2), ("bf16", 128, True, 1), ("bf16", 128, False, 2)])
+def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(name, copy_issuers, split_scores, k_slots,
                                                                             kernel_mode):
     """130 entries (three tiles of 64, the last partial) with scores in the tens: each tile's fp8
     scale (each group's nvfp4 scale) must multiply its own products, exactly; with the record
-    copies issued by the memory warpgroup as one and by its four warps (interpreted: one issuer
-    over the four barriers), and with the scores computed by both compute warpgroups or split
+    copies issued by the memory warpgroup as one, by its four warps and by each of its threads
+    (interpreted: one issuer, over the four barriers), and with the scores computed by both compute warpgroups or split
     between them; bf16 records copied straight into one K tile, or into two in turn."""
     q, records, indices, counts, sm_scale = make_case(name, 3, 16, seed=13, k=130)
     q = (q.astype(np.float32) * 16).astype(ml_dtypes.bfloat16)
@@ -214,9 +215,9 @@ def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(name
     got = attention_op.sparse_mla_attention(jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices),
                                             jnp.asarray(counts), sm_scale, layout=formats.get(name).layout,
                                             implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret",
-                                            config=MosaicAttentionTiles(copy_warps=copy_warps, split_scores=split_scores,
+                                            config=MosaicAttentionTiles(copy_issuers=copy_issuers, split_scores=split_scores,
                                                                         k_slots=k_slots))
-    assert_close(name, got, want, f"mosaic {name}, three tiles, large scores, {copy_warps} copy issuer(s), "
+    assert_close(name, got, want, f"mosaic {name}, three tiles, large scores, {copy_issuers} copy issuer(s), "
                                     f"split scores {split_scores}")
 
 
@@ -261,8 +262,8 @@ def test_the_mosaic_kernel_names_what_it_does_not_read():
                                           config=AttentionTiles())
     with pytest.raises(ValueError, match="block_k: expected 64"):
         MosaicAttentionTiles(block_k=32)
-    with pytest.raises(ValueError, match="copy_warps: expected 1 or 4, got 2"):
-        MosaicAttentionTiles(copy_warps=2)
+    with pytest.raises(ValueError, match=r"copy_issuers: expected one of \(1, 4, 128\), got 2"):
+        MosaicAttentionTiles(copy_issuers=2)
     with pytest.raises(ValueError, match="k_slots: expected 1 or 2, got 3"):
         MosaicAttentionTiles(k_slots=3)
     q16, records16, indices16, counts16, _ = (jnp.asarray(a) if isinstance(a, np.ndarray) else a
@@ -278,21 +279,23 @@ def test_the_mosaic_kernel_names_what_it_does_not_read():
 
 
 def test_the_mosaic_kernel_lowers_for_cuda():
-    """Both copy issuers lower for CUDA (the four-warp one runs on a GPU only: the interpreter has
-    no warp-level scopes), and they lower to different kernels; so do both formats."""
+    """Every copy issuer lowers for CUDA (the four-warp and the per-thread ones run on a GPU only:
+    the interpreter has no warp-level scopes or inline PTX), to different kernels; so does every
+    format, bf16 with two K tiles and per-thread copies too."""
     sds = jax.ShapeDtypeStruct
     texts = {}
-    for name, copy_warps in ((MOSAIC, 1), (MOSAIC, 4), ("nvfp4_ds_mla", 4)):
+    for name, issuers, slots in ((MOSAIC, 1, 1), (MOSAIC, 4, 1), (MOSAIC, 128, 1), ("nvfp4_ds_mla", 4, 1),
+                                 ("nvfp4_ds_mla", 128, 1), ("bf16", 4, 2), ("bf16", 128, 2)):
         layout = formats.get(name).layout
-        tiles = MosaicAttentionTiles(copy_warps=copy_warps)
-        texts[name, copy_warps] = jax.jit(lambda q, r, i, c: attention_op.sparse_mla_attention_mosaic(
+        tiles = MosaicAttentionTiles(copy_issuers=issuers, split_scores=slots == 1, k_slots=slots)
+        texts[name, issuers] = jax.jit(lambda q, r, i, c: attention_op.sparse_mla_attention_mosaic(
             q, r, i, c, 0.04, layout=layout, config=tiles)).trace(
             sds((64, 64, 576), jnp.bfloat16), sds((4096, layout.record_bytes), jnp.uint8), sds((64, 2048), jnp.int32),
             sds((64,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     for (name, _), text in texts.items():
         kind = formats.get(name).layout.kind
         assert text.count("stablehlo.custom_call") == 1 and f"ckv_sparse_mla_attention_mgpu_{kind}" in text
-    assert len(set(texts.values())) == 3
+    assert len(set(texts.values())) == len(texts)
 
 
 @pytest.mark.parametrize("name", NAMES)

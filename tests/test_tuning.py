@@ -95,11 +95,11 @@ def test_an_implementation_with_its_own_tiles_gets_them_from_the_table(tuned):
     from pallas_kernels.sparse_mla_attention import MosaicAttentionTiles
     from pallas_kernels.sparse_mla_attention import api as attention_api
     tuned("sparse_mla_attention", [(0, ("pallas_mosaic_gpu", "pallas_triton"),
-                                    {"pallas_mosaic_gpu": {"copy_warps": 1},     # not the default
+                                    {"pallas_mosaic_gpu": {"copy_issuers": 1},   # not the default
                                      "pallas_triton": {"block_h": 32}})])
     cpu, fp8 = jax.devices()[0], formats.get("fp8_ds_mla").layout
     chosen = attention_api.select(None, cpu, fp8, 1 << 20, 64, 16, 2048, interpret=True)
-    assert (chosen.name, chosen.config) == ("pallas_mosaic_gpu", MosaicAttentionTiles(copy_warps=1))
+    assert (chosen.name, chosen.config) == ("pallas_mosaic_gpu", MosaicAttentionTiles(copy_issuers=1))
     # records the Mosaic kernel does not read (a layout of no registered format): the next measured
     # implementation, with its own tiles
     unread = RecordLayout("fp8_tiles", quant_block=64)

@@ -5,13 +5,18 @@ M (fewer heads are padded to 64, so 16 heads cost what 64 do).  Three warpgroups
 
 - the memory warpgroup copies the token's index row into SMEM once, then per tile of `block_k`
   top-k entries issues (as one, or from each of its warps for a quarter of the rows:
-  `copy_warps`) three bulk copies per row (`cp.async.bulk`, no tensor map; a copy must move a
-  multiple of 128 bytes, and a ref has one dtype): the NoPE bytes (fp8: e4m3 [0, 512); nvfp4:
-  packed e2m1 [0, 256)), the 128 bytes from the scales on (fp8: f32, the tile scales in its
-  first four words; nvfp4: u8, the 32 group scales first) and the RoPE (bf16).  An entry that is
-  a hole, outside [0, N) or past the token's count copies row 0 instead, so every tile receives
-  the same bytes; the compute side masks it out.  One slot: the next tile's copies start once
-  both compute warpgroups have moved this one into the K tile.
+  `copy_issuers` 1 or 4) three bulk copies per row (`cp.async.bulk`, no tensor map; a copy must
+  move a multiple of 128 bytes, and a ref has one dtype): the NoPE bytes (fp8: e4m3 [0, 512);
+  nvfp4: packed e2m1 [0, 256)), the 128 bytes from the scales on (fp8: f32, the tile scales in
+  its first four words; nvfp4: u8, the 32 group scales first) and the RoPE (bf16).  An entry
+  that is a hole, outside [0, N) or past the token's count copies row 0 instead, so every tile
+  receives the same bytes; the compute side masks it out.  Or (`copy_issuers=128`, compiled)
+  each of its 128 threads copies its own 16-byte chunks of the tile (`cp.async`, inline PTX in
+  `pallas_kernels.mosaic_ptx`): groups of 8 threads read 128 contiguous bytes of a row, a
+  thread's four rows, chunk and swizzle fixed, its row indices read from GMEM once a tile, and
+  masked entries' chunks written as zeros without a read; each thread arrives once a tile on
+  the slot's mbarrier when its copies landed.  One slot: the next tile's copies start once both
+  compute warpgroups have moved this one into the K tile.
 - compute warpgroup w writes its share of the shared bf16 K tile [block_k, 576] (warpgroup 0
   also the RoPE), rows of masked entries zeroed.  fp8: NoPE parts 2w and 2w + 1 (128 columns
   each), the e4m3 values themselves (exact in bf16), and its parts' float32 tile scales into a
@@ -34,24 +39,29 @@ scales multiply the float32 products, and only the softmax weights round to bf16
 exchanged, and again once multiplied by the part's scale).  Same contract as
 `reference.attention_reference`; SM90+ (wgmma, bulk copies).
 
-bf16 records skip the raw slot: the memory warpgroup copies each record straight into the K tile,
-one TMA copy per 128-byte chunk of a row into `k_rows`, a second view of the same SMEM whose rows
-are the tile's swizzled 128-byte rows (the swizzle depends on the address alone; a copy into one
-row of the tiled view would cut its 8-row tiles); masked entries copy a row of zeros.  Without
-the raw slot two K tiles fit beside Q (`k_slots=2`) once the token's indices pass through a ring
-of two tiles instead of SMEM whole, so the copies of tile i + 1 run during tile i's products; they
-leave no SMEM for split scores.
+bf16 records skip the raw slot: the memory warpgroup copies each record straight into the K tile:
+with bulk copies, one TMA copy per 128-byte chunk of a row into `k_rows`, a second view of the
+same SMEM whose rows are the tile's swizzled 128-byte rows (the swizzle depends on the address
+alone; a copy into one row of the tiled view would cut its 8-row tiles), masked entries copying a
+row of zeros; with per-thread copies, each 16-byte chunk to its swizzled place.  Without the raw
+slot two K tiles fit beside Q (`k_slots=2`) once the token's indices pass through a ring of two
+tiles instead of SMEM whole, so the copies of tile i + 1 run during tile i's products; they leave
+no SMEM for split scores.
 
-Where it stands (BENCHMARKS.md; T = 4,096, top-k 2,048, 262K records, device timeline): 147 TFLOP/s
-on fp8 at 64 heads (154 at 128), 159 on nvfp4 (160), 172 on bf16 with two K tiles (179; 115 with
-one).  For fp8, ncu had both compute warpgroups spilling (16M local-memory requests at T = 256)
-and 46% of the SMEM wavefronts excessive; then no tile-shaped scale or mask array was held across
-the wgmmas (124 TFLOP/s, spills halved), the raw rows were padded off one SMEM bank (excessive
-wavefronts 1%), and `split_scores` gave each compute warpgroup half of the tile's entries: half
-the score wgmmas and exponentials, the row maxima and the bf16 softmax weights exchanged through
-SMEM (147.6). Four copy issuers (`copy_warps=4`) matter: 147.6 against 95.3 with one. The time
-does not change from 16 to 64 heads (a CTA always holds 64): 35.9 TFLOP/s at 16.  What bf16's two
-tiles gain (1.5x) is what fp8 and nvfp4 lose to converting between the products, not beside them.
+Where it stands (BENCHMARKS.md; T = 4,096, top-k 2,048, 262K records, device timeline): 291 TFLOP/s
+on bf16 at 64 heads (292 at 128) with two K tiles filled by per-thread copies, against 172 with
+four issuing warps: 576 bulk copies a tile, each with its own barrier arrival, were the bound.
+147 on fp8 (154 at 128) and 159 on nvfp4 (160), where per-thread copies change nothing: their
+time is the compute warpgroups' conversion.  For fp8, ncu had both compute warpgroups spilling
+(16M local-memory requests at T = 256) and 46% of the SMEM wavefronts excessive; then no
+tile-shaped scale or mask array was held across the wgmmas (124 TFLOP/s, spills halved), the raw
+rows were padded off one SMEM bank (excessive wavefronts 1%), and `split_scores` gave each
+compute warpgroup half of the tile's entries: half the score wgmmas and exponentials, the row
+maxima and the bf16 softmax weights exchanged through SMEM (147.6).  Four copy issuers matter
+there: 147.6 against 95.3 with one.  The time does not change from 16 to 64 heads (a CTA always
+holds 64): 35.9 TFLOP/s at 16.  What bf16's two tiles gain is what fp8 and nvfp4 lose to
+converting between the products, not beside them: converting in the memory warpgroup, from
+per-thread loads into two K tiles, is their next step.
 
 Interpret mode (CPU tests) runs the same pipeline, copies, barriers and masks; it has no register
 layouts, tiles or swizzles, and its wgmma takes neither a transposed operand nor an accumulator
@@ -86,6 +96,9 @@ LAYOUTS = (FP8, NVFP4, BF16)
 MAX_TOP_K = 4096            # fp8, nvfp4: a token's index row lives in SMEM beside the ~200 KB of tiles
 WARPS_PER_WARPGROUP = 4
 COPIES_PER_ROW = 3          # the NoPE bytes, the 128 bytes from the scales on, the RoPE
+LANES = 128                 # threads of the memory warpgroup
+LANE_GROUP = 8              # copy_issuers=128: threads that copy one 128-byte piece of a row together
+COPY_ISSUERS = (1, WARPS_PER_WARPGROUP, LANES)
 COPY_GRANULE = 128          # bytes: every record copy moves a multiple of it
 # bf16 records go straight into the K tile (128-byte swizzles): a K row lies in nine 128-byte
 # chunks of 64 columns, one copy each
@@ -104,11 +117,12 @@ ROW_PAD_BYTES = 16
 class MosaicAttentionTiles:
     block_k: int = 64           # top-k rows per step (the score tile's N)
     # Issuers of the record copies: 1, the memory warpgroup as one (every copy an arrival of all
-    # 128 threads on one barrier, after a warpgroup barrier), or 4, each warp of it issuing a
+    # 128 threads on one barrier, after a warpgroup barrier); 4, each warp of it issuing a
     # quarter of the rows onto a barrier of its own (32 threads arrive per copy, no warpgroup
-    # barrier per copy); 4 measured 1.3x (every score in both warpgroups) to 1.55x (split
-    # scores) faster at 64 heads (module docstring).
-    copy_warps: int = WARPS_PER_WARPGROUP
+    # barrier per copy; 1.3x to 1.55x faster than 1 at 64 heads); or 128, every thread of it
+    # issuing its share of the tile's 16-byte chunks (`cp.async`, `mosaic_ptx`), one arrival per
+    # thread and tile.  The first two are bulk copies of whole segments, one thread issuing each.
+    copy_issuers: int = WARPS_PER_WARPGROUP
     # True: each compute warpgroup computes the scores of its half of the tile's entries, the row
     # maxima and the bf16 softmax weights exchanged through SMEM (half the score wgmmas and
     # exponentials, half the score registers; 147.6 against 123.8 TFLOP/s at 64 heads on the
@@ -126,8 +140,8 @@ class MosaicAttentionTiles:
             raise ValueError(f"block_k: expected 64 (the WGMMA layout's rows; a wgmma's K groups), got {self.block_k}")
         if self.k_slots not in (1, 2):
             raise ValueError(f"k_slots: expected 1 or 2, got {self.k_slots}")
-        if self.copy_warps not in (1, WARPS_PER_WARPGROUP):
-            raise ValueError(f"copy_warps: expected 1 or {WARPS_PER_WARPGROUP}, got {self.copy_warps}")
+        if self.copy_issuers not in COPY_ISSUERS:
+            raise ValueError(f"copy_issuers: expected one of {COPY_ISSUERS}, got {self.copy_issuers}")
         if not isinstance(self.split_scores, bool):
             raise TypeError(f"split_scores: expected a bool, got {self.split_scores!r}")
 
@@ -145,11 +159,13 @@ def top_k_fits(layout: RecordLayout, top_k: int) -> bool:
 
 
 def default_tiles(layout: RecordLayout) -> MosaicAttentionTiles:
-    """The measured best config for `layout` (BENCHMARKS.md, H200, 64 and 128 heads): split scores
-    for fp8 and nvfp4; for bf16 two K tiles in flight (170 against 115 TFLOP/s with one tile and
-    split scores at 64 heads), which leaves no SMEM for the split."""
+    """The measured best config for `layout` (BENCHMARKS.md, H200, 64 heads): split scores and
+    four copy issuers for fp8 and nvfp4 (their time is the conversion's: per-thread copies gain
+    nothing there); for bf16 two K tiles in flight, filled by per-thread copies (284 TFLOP/s
+    against 172 with four issuing warps and 117 with one tile), which leaves no SMEM for the
+    split."""
     if copies_into_k(layout):
-        return MosaicAttentionTiles(split_scores=False, k_slots=2)
+        return MosaicAttentionTiles(copy_issuers=LANES, split_scores=False, k_slots=2)
     return MosaicAttentionTiles()
 
 
@@ -162,8 +178,8 @@ def _bf16_row_of(slot, j, chunk, block_k):
 
 
 def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, zero_row, out_ref, lse_ref,
-            q_smem, idx_smem, raw, k_views, exchange, loaded, raw_bars, tile_syncs, slot_free, idx_bars, *,
-            kind, copies, num_records, top_k, block_k, slots, copy_warps, split, interpret):
+            q_smem, idx_smem, raw, k_views, exchange, lane_bars, loaded, raw_bars, tile_syncs, slot_free, idx_bars, *,
+            kind, copies, segments, num_records, record_bytes, top_k, block_k, slots, issuers, split, interpret):
     # idx_ref: i32[T, top_k]; count_ref: i32[T]; scale_ref: f32[1]; q_ref: bf16[T, H_pad, 576]
     # (nvfp4: the NoPE's even elements, then its odd ones)
     # rec_u8 / rec_scales / rec_bf16: the records u8[N, R], viewed as u8, as f32 (fp8: its tile
@@ -182,8 +198,10 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
     # exchange: scales_smem f32[4, block_k] (fp8 only); with split scores: p_smem bf16[64, block_k + pad] (the softmax
     # weights of both halves), maxes_smem f32[2, 64] (each half's row maxima), stats_smem f32[6, 64]
     # (each warpgroup's sums, NaN and entry flags at the end)
-    # loaded: barriers[2] (q, the index row); raw_bars: barriers[slots * copy_warps] of the tile's
-    # record copies (row j of slot s on barrier s * copy_warps + j % copy_warps); slot_free:
+    # lane_bars: i32[slots, 2], an mbarrier per slot for the copies of copy_issuers=128 (compiled)
+    # loaded: barriers[2] (q, the index row); raw_bars: barriers[slots * per_slot] of the tile's
+    # record copies (row j of slot s on barrier s * per_slot + j % per_slot, per_slot 4 with four
+    # issuing warps, else 1); slot_free:
     # barriers[slots] (bf16: both compute warpgroups are done with the slot); idx_bars:
     # barriers[slots] (bf16: the ring's indices of the slot arrived); tile_syncs: barriers[6] of the compute
     # warpgroups (both read the tile's records, wrote K, read K; with split scores: wrote their
@@ -202,13 +220,19 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
     scales_smem, p_smem, maxes_smem, stats_smem = exchange
     if not direct:
         nope_raw, scale_raw, rope_raw = raw
+    # the interpreter has no warp-level scopes or inline PTX: one issuer of Pallas copies there
+    lanes = issuers == LANES and not interpret
+    per_slot = _copy_barriers_per_slot(issuers)
+    if lanes:
+        from pallas_kernels import mosaic_ptx
+        mosaic_ptx.init_barriers(lane_bars, slots, LANES)
 
     def k_tile(i):
         """The K tile of tile i: bf16[block_k, 576] (swizzled)."""
         return k_smem.at[lax.rem(i, slots)] if direct else k_smem
 
     def raw_bar(i, b):
-        return compat.barrier_at(raw_bars, lax.rem(i, slots) * copy_warps + b)
+        return compat.barrier_at(raw_bars, lax.rem(i, slots) * per_slot + b)
 
     def indices(i, first, size):
         """The ref of tile i's indices [first, first + size) (of its block_k)."""
@@ -269,13 +293,13 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
             plgpu.barrier_wait(idx_bar)
 
         def copy_rows(i, first, step):
-            """The copies of rows first, first + step, ... of tile i, row j's onto raw_bar(i, j % copy_warps)."""
+            """The copies of rows first, first + step, ... of tile i, row j's onto raw_bar(i, j % per_slot)."""
             @pl.loop(first, block_k, step=step)
             def _row(j):
                 pos = i * block_k + j
                 row = idx_smem[lax.rem(i, slots), j] if direct else idx_smem[pos]
                 ok = entry_ok(pos, row)
-                bar = raw_bar(i, j % copy_warps)
+                bar = raw_bar(i, j % per_slot)
                 if direct:
                     # masked entries copy a row of zeros: their K rows must be finite (a weight of
                     # 0 times a NaN of row 0 would be NaN)
@@ -300,6 +324,77 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                                         k_views[1].at[pl.ds(_bf16_row_of(lax.rem(i, slots), j, c, block_k), 1)],
                                         bar, oob_mode=in_bounds)
 
+        def lane_copies(i):
+            """Tile i's records in 16-byte chunks (`mosaic_ptx.copy_16`), every thread issuing its
+            own, then one arrival of it on the slot's mbarrier, made once they landed.  The
+            warpgroup is 16 groups of 8 threads: group g copies rows g, g + 16, g + 32 and g + 48
+            of the tile, thread q of a group chunk q of every 128 bytes of a row (a group reads
+            128 contiguous bytes at once), so a thread's rows, chunk and swizzle are fixed and its
+            four row indices are read once a tile, from GMEM.  Masked entries' chunks are zeros
+            (the copy reads no source byte).  fp8 / nvfp4: NoPE, scales and RoPE into their raw
+            rows; bf16: the whole record into the K tile, a 16-byte chunk q of a row j moving to
+            chunk q ^ (j % 8) of its 128-byte row (the 128-byte swizzle)."""
+            from jaxlib.mlir import ir
+            from jaxlib.mlir.dialects import arith, memref
+            ptx = mosaic_ptx
+            splat = plgpu.Layout.WG_SPLAT(shape=())
+            dsts = (k_smem,) if direct else raw
+            dst_types = (plgpu.RefType(_swizzled()),) if direct else (plgpu.RefType(),) * len(raw)
+            # bytes from one row of each raw ref to the next
+            dst_rows = (0,) if direct else tuple(r.shape[1] * jnp.dtype(r.dtype).itemsize for r in raw)
+            groups = LANES // LANE_GROUP
+            rows_per_thread = block_k // groups
+
+            @plgpu.inline_mgpu(arg_types=(splat, splat) + (plgpu.RefType(),) * 3 + dst_types)
+            def issue(ctx, i_fa, count_fa, idx, records, bars, *dst_refs):
+                lt, ge = arith.CmpIPredicate.slt, arith.CmpIPredicate.sge
+                c32 = ptx.i32
+                tile_i, count_i = ptx.scalar(i_fa), ptx.scalar(count_fa)
+                tid = ptx.thread_in_warpgroup()
+                g, q = arith.divui(tid, c32(LANE_GROUP)), arith.remui(tid, c32(LANE_GROUP))
+                slot = arith.remui(tile_i, c32(slots))
+                base = ptx.address(records)
+                sources, valid = [], []
+                for r in range(rows_per_thread):
+                    pos = arith.addi(arith.muli(tile_i, c32(block_k)), arith.addi(g, c32(r * groups)))
+                    row = memref.load(idx, [arith.index_cast(ir.IndexType.get(), pos)])
+                    ok = arith.andi(arith.andi(arith.cmpi(lt, pos, count_i), arith.cmpi(ge, row, c32(0))),
+                                    arith.cmpi(lt, row, c32(num_records)))
+                    row = ptx.to_i64(arith.select(ok, row, c32(0)))
+                    sources.append(arith.addi(base, arith.muli(row, ptx.i64(record_bytes))))
+                    valid.append(ok)
+                chunk = ptx.to_i64(arith.muli(q, c32(ptx.CHUNK_BYTES)))
+                if direct:
+                    # row j = g + 16 r of slot s lies in [8, 64] tiles row-major over (s, j // 8,
+                    # piece) (`_bf16_row_of`), at 128 bytes a row within one; the swizzle moves
+                    # chunk q to q ^ (j % 8), and j % 8 = g % 8 for every r
+                    g8 = arith.remui(g, c32(8))
+                    tile_bytes = 8 * COPY_GRANULE
+                    first = arith.addi(arith.muli(arith.addi(arith.muli(slot, c32(block_k // 8)), arith.divui(g, c32(8))),
+                                                  c32(BF16_CHUNKS * tile_bytes)),
+                                       arith.addi(arith.muli(g8, c32(COPY_GRANULE)),
+                                                  arith.muli(arith.xori(q, g8), c32(ptx.CHUNK_BYTES))))
+                    thread_dsts = [arith.addi(ptx.address(dst_refs[0]), ptx.to_i64(first))]
+                    row_step = (groups // 8) * BF16_CHUNKS * tile_bytes     # r -> r + 1: 16 rows on
+                else:
+                    thread_dsts = [arith.addi(arith.addi(ptx.address(d), ptx.to_i64(arith.muli(g, c32(rows)))), chunk)
+                                   for d, rows in zip(dst_refs, dst_rows)]
+                for k, (src_offset, nbytes) in enumerate(segments):
+                    dst_base = thread_dsts[0 if direct else k]
+                    for piece in range(-(-nbytes // COPY_GRANULE)):
+                        chunks = min(nbytes - piece * COPY_GRANULE, COPY_GRANULE) // ptx.CHUNK_BYTES
+                        in_piece = arith.cmpi(lt, q, c32(chunks))        # a short last piece: its first chunks
+                        for r in range(rows_per_thread):
+                            if direct:
+                                dst_off = r * row_step + piece * tile_bytes
+                            else:
+                                dst_off = r * groups * dst_rows[k] + piece * COPY_GRANULE
+                            src = arith.addi(sources[r], arith.addi(chunk, ptx.i64(src_offset + piece * COPY_GRANULE)))
+                            ptx.copy_16(arith.addi(dst_base, ptx.i64(dst_off)), src, in_piece, valid[r])
+                ptx.arrive_when_done(ptx.barrier_address(bars, slot))
+
+            issue(i, count, idx_ref.at[t], rec_u8, lane_bars, *dsts)
+
         @pl.loop(0, num_tiles)
         def _tile(i):
             if direct:
@@ -310,18 +405,21 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                 ring_bar = compat.barrier_at(idx_bars, lax.rem(i, slots))
                 plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds(i * block_k, block_k)], idx_smem.at[lax.rem(i, slots)],
                                         ring_bar, oob_mode=in_bounds)
-                plgpu.barrier_wait(ring_bar)
+                if not lanes:         # per-thread copies read their indices from GMEM; the masks wait
+                    plgpu.barrier_wait(ring_bar)
             else:
                 @pl.when(i > 0)
                 def _():
                     plgpu.barrier_wait(consumed_bar)         # both compute warpgroups read the slot
 
-            if copy_warps == 1 or interpret:     # the interpreter has no warp-level scopes: one issuer
+            if lanes:
+                lane_copies(i)
+            elif per_slot == 1 or interpret:
                 copy_rows(i, 0, 1)
             else:
                 @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
                 def _per_warp():
-                    copy_rows(i, lax.axis_index("warp"), copy_warps)
+                    copy_rows(i, lax.axis_index("warp"), per_slot)
 
         # every phase of the slot barriers observed: the last tiles'
         if direct:
@@ -398,8 +496,13 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
         def tile(i, carry):
             accs, m_prev, l_prev, nan_seen, seen = carry
             pos0 = i * block_k
-            for b in range(copy_warps):
-                plgpu.barrier_wait(raw_bar(i, b))
+            if lanes:                     # bf16: the wgmma reads what the copies wrote
+                mosaic_ptx.wait(lane_bars, lax.rem(i, slots), lax.rem(lax.div(i, slots), 2), fence_async=direct)
+                if direct:                # the ring's indices of the masks (the copies did not wait)
+                    plgpu.barrier_wait(compat.barrier_at(idx_bars, lax.rem(i, slots)))
+            else:
+                for b in range(per_slot):
+                    plgpu.barrier_wait(raw_bar(i, b))
             k_cur = k_tile(i)
             if not direct:
                 k_rows = load(indices(i, 0, block_k), rows_of)
@@ -519,6 +622,27 @@ def records_as(records: jax.Array, dtype) -> jax.Array:
     return lax.bitcast_convert_type(records.reshape(n, width // size, size), dtype)
 
 
+def lane_segments(layout: RecordLayout) -> tuple[tuple[int, int], ...]:
+    """(byte offset, bytes) in a record of what `copy_issuers=128` copies of each row: bf16, the
+    whole record (into the K tile); fp8 and nvfp4, the NoPE bytes, the scales and the RoPE (into
+    their raw rows, in the order of `record_copies`), each a multiple of 16 bytes."""
+    if copies_into_k(layout):
+        return ((0, layout.record_bytes),)
+    scales = layout.segment("tile_scales_f32" if layout.kind == "fp8_tiles" else "group_scales_e4m3")
+    return tuple((seg.offset, seg.width) for seg in (layout.segments[0], scales, layout.segment("rope_bf16")))
+
+
+def _copy_barriers_per_slot(issuers: int) -> int:
+    """The `raw_bars` of one slot: one per issuing warp (four), else one (the per-thread copies
+    use `lane_bars` compiled, and one issuer's Pallas copies interpreted)."""
+    return issuers if issuers == WARPS_PER_WARPGROUP else 1
+
+
+def _swizzled():
+    """The transforms of Q and the K tiles in SMEM: [8, 64] tiles, 128-byte swizzle."""
+    return (compat.plgpu.TilingTransform((8, 64)), compat.plgpu.SwizzleTransform(128))
+
+
 def record_copies(layout: RecordLayout) -> tuple[tuple[int, int], ...]:
     """(start, width) of a row's three copies, each in its view of the records (u8;
     `scale_view_dtype`; bf16): the NoPE bytes, the COPY_GRANULE bytes from the scales on (the
@@ -555,6 +679,8 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
     block_k = config.block_k
     slots = config.k_slots if direct else 1
     if slots > 1 and config.split_scores:
+        # measured: 236,656 bytes of SMEM against the H200's 232,448 (the exchange of split
+        # scores, 9 KB, beside two K tiles and Q)
         raise ValueError(f"config: {slots} K slots leave no shared memory for split scores; got {config}")
     hp = -(-h // HEADS_PER_CTA) * HEADS_PER_CTA
     k = max(indices.shape[1], 1)
@@ -570,7 +696,7 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
     rec_scales = records if direct else records_as(records, scale_view_dtype(layout))
     rec_bf16 = records_as(records, jnp.bfloat16)
     zero_row = jnp.zeros((1, NOPE_DIM + ROPE_DIM), jnp.bfloat16)
-    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    swizzled = _swizzled()
     if direct:
         copies, raw, copies_per_row = (), (), 1 if interpret else BF16_CHUNKS
         k_shape = (slots, block_k, NOPE_DIM + ROPE_DIM)
@@ -590,8 +716,11 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
                plgpu.SMEM((block_k, ROPE_DIM + pad(jnp.bfloat16)), jnp.bfloat16))
         k_views = (plgpu.SMEM((block_k, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),)
     split = config.split_scores
-    kernel = functools.partial(_kernel, kind=layout.kind, copies=copies, num_records=n, top_k=kp, block_k=block_k,
-                               slots=slots, copy_warps=config.copy_warps, split=split, interpret=bool(interpret))
+    issuers = config.copy_issuers
+    per_slot = _copy_barriers_per_slot(issuers)
+    kernel = functools.partial(_kernel, kind=layout.kind, copies=copies, segments=lane_segments(layout),
+                               num_records=n, record_bytes=layout.record_bytes, top_k=kp, block_k=block_k,
+                               slots=slots, issuers=issuers, split=split, interpret=bool(interpret))
     # the tile scales (fp8) and the exchange of split scores, minimal where unused (and then one
     # allocation: each is aligned on its own)
     exchange = (plgpu.SMEM((NUM_PARTS, block_k) if layout.kind == "fp8_tiles" else (1, 8), jnp.float32),
@@ -606,6 +735,7 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
         raw,
         k_views,
         exchange,
+        plgpu.SMEM((slots, 2), jnp.int32),       # lane_bars: an mbarrier (8 bytes) per slot
     ]
     extra = {"interpret": interpret} if interpret else {}
     out, lse = plgpu.kernel(
@@ -614,8 +744,7 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
         grid=(t, hp // HEADS_PER_CTA), grid_names=("t", "hb"), num_threads=3, thread_name="wg",
         scratch_types=smem + [
             plgpu.Barrier(num_arrivals=1, num_barriers=2),
-            plgpu.Barrier(num_arrivals=copies_per_row * block_k // config.copy_warps,
-                          num_barriers=slots * config.copy_warps),
+            plgpu.Barrier(num_arrivals=copies_per_row * block_k // per_slot, num_barriers=slots * per_slot),
             plgpu.Barrier(num_arrivals=2, num_barriers=6),
             plgpu.Barrier(num_arrivals=2, num_barriers=slots),
             plgpu.Barrier(num_arrivals=1, num_barriers=slots),

@@ -1,0 +1,148 @@
+"""Inline PTX for Mosaic GPU kernels written in Pallas, for what Pallas does not expose: copies
+that every thread of a warpgroup issues on its own (`cp.async`, 16 bytes each) and the mbarriers
+that track them.  Each function emits MLIR where a `plgpu.inline_mgpu` body runs (lane semantics:
+every thread of the calling warpgroup runs it); addresses are i64 values (`address`), predicates
+i1, counts i32.
+
+Why per-thread copies: a Pallas copy (`plgpu.copy_gmem_to_smem`) is one bulk copy issued by one
+elected thread, with an mbarrier arrival per copy.  A kernel that gathers records row by row
+issues hundreds of them per tile from a few threads, and that issue rate bounds it.  Here a
+warpgroup's 128 threads each issue their share, and each thread's arrival (`arrive_when_done`)
+fires once all of its copies landed.
+
+`cp.async` writes shared memory through the generic proxy: a wgmma (async proxy) that reads what
+it wrote needs `fence_proxy_async` after the barrier wait.  A `cp.async` writes bytes as they are
+(no tensor map, so no swizzle): a kernel whose destination is swizzled computes the swizzled
+address of every 16-byte chunk itself.
+"""
+from __future__ import annotations
+
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, gpu, llvm
+
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+from pallas_kernels import compat
+
+CHUNK_BYTES = 16            # one cp.async: the largest copy a thread issues, and its alignment
+MBARRIER_BYTES = 8
+
+
+def i32(value: int) -> ir.Value:
+    return arith.constant(ir.IntegerType.get_signless(32), value)
+
+
+def i64(value: int) -> ir.Value:
+    return arith.constant(ir.IntegerType.get_signless(64), value)
+
+
+def to_i64(value: ir.Value) -> ir.Value:
+    """A signless i32 (or i64) value as i64, sign-extended."""
+    if ir.IntegerType(value.type).width == 64:
+        return value
+    return arith.extsi(ir.IntegerType.get_signless(64), value)
+
+
+def thread_in_warpgroup() -> ir.Value:
+    """i32: this thread's index within its warpgroup of 128."""
+    return arith.remui(mgpu_utils.thread_idx(), i32(128))
+
+
+def address(memref: ir.Value) -> ir.Value:
+    """i64: the address of a memref's first element (shared-window address for SMEM, global for
+    GMEM), as the PTX below takes it."""
+    return llvm.ptrtoint(ir.IntegerType.get_signless(64), mgpu_utils.memref_ptr(memref))
+
+
+def _asm(operands, text: str, constraints: str):
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), operands, text, constraints, has_side_effects=True)
+
+
+def copy_16(dst: ir.Value, src: ir.Value, predicate: ir.Value, read: ir.Value):
+    """Where `predicate`: write 16 bytes at shared `dst`, asynchronously: where `read`, those at
+    global `src` (both 16-byte aligned), else zeros (no byte of `src` is read).  Through L2 only
+    (`.cg`: a gathered row is read once per CTA), which fetches the 256 bytes around each chunk
+    (a record's chunks are read together, by the threads of a group and by the next copies)."""
+    size = arith.select(read, i32(CHUNK_BYTES), i32(0))
+    _asm([predicate, dst, src, size], "@$0 cp.async.cg.shared.global.L2::256B [$1], [$2], 16, $3;", "b,l,l,r")
+
+
+def arrive_when_done(barrier: ir.Value):
+    """One arrival on the mbarrier at `barrier`, made when every `copy_16` this thread issued so
+    far has landed (`.noinc`: the barrier's expected count includes it)."""
+    _asm([barrier], "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", "l")
+
+
+def init_barrier(barrier: ir.Value, count: int, predicate: ir.Value):
+    """Where `predicate` (one thread): initialize the mbarrier at `barrier` for `count` arrivals
+    a phase.  Make it visible with `fence_barrier_init` and a block-wide sync."""
+    _asm([predicate, barrier, i32(count)], "@$0 mbarrier.init.shared::cta.b64 [$1], $2;", "b,l,r")
+
+
+def fence_barrier_init():
+    _asm([], "fence.mbarrier_init.release.cluster;", "")
+
+
+def sync_block():
+    """Every thread of the block reaches this point (`bar.sync 0`)."""
+    gpu.barrier()
+
+
+def wait_parity(barrier: ir.Value, parity: ir.Value):
+    """Spin until the phase of the mbarrier at `barrier` with parity `parity` (i32, 0 or 1) has
+    completed (acquire: what the arrivals' copies wrote is visible to this thread after it)."""
+    _asm([barrier, parity],
+         "{\n.reg .pred done;\nwait:\nmbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1;\n"
+         "@!done bra wait;\n}", "l,r")
+
+
+def fence_proxy_async():
+    """Order this thread's view of shared memory (written through the generic proxy: `copy_16`,
+    stores) before its later async-proxy reads of it (wgmma operands)."""
+    _asm([], "fence.proxy.async.shared::cta;", "")
+
+
+# -- Pallas level: called from a kernel body (lane semantics) -----------------------------------
+
+def scalar(array) -> ir.Value:
+    """The ir.Value of a scalar passed to an `inline_mgpu` body as `WG_SPLAT(shape=())`."""
+    return array.registers.item()
+
+
+def init_barriers(barriers_ref, num: int, count: int):
+    """Initialize `num` mbarriers in `barriers_ref` (SMEM, 8 bytes each: i32[num, 2]) for `count`
+    arrivals a phase.  Every thread of the block calls it once, before any warpgroup uses them
+    (it ends with a block-wide sync)."""
+    plgpu = compat.plgpu
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def init(ctx, barriers):
+        base = address(barriers)
+        first = arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), i32(0))
+        for b in range(num):
+            init_barrier(arith.addi(base, i64(b * MBARRIER_BYTES)), count, first)
+        fence_barrier_init()
+        sync_block()
+
+    init(barriers_ref)
+
+
+def barrier_address(barriers: ir.Value, index: ir.Value) -> ir.Value:
+    """i64: the address of mbarrier `index` (i32) of an i32[num, 2] SMEM memref."""
+    return arith.addi(address(barriers), arith.muli(to_i64(index), i64(MBARRIER_BYTES)))
+
+
+def wait(barriers_ref, index, parity, *, fence_async: bool):
+    """The calling warpgroup waits for the phase of parity `parity` (0 or 1) of mbarrier `index`
+    of `barriers_ref` (both int32 scalars); `fence_async`: then `fence_proxy_async` (the copies'
+    bytes are read by a wgmma)."""
+    plgpu = compat.plgpu
+    splat = plgpu.Layout.WG_SPLAT(shape=())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), splat, splat))
+    def body(ctx, barriers, index, parity):
+        wait_parity(barrier_address(barriers, scalar(index)), scalar(parity))
+        if fence_async:
+            fence_proxy_async()
+
+    body(barriers_ref, index, parity)
