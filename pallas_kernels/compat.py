@@ -1,6 +1,7 @@
 """What differs between the supported jax versions (0.10.2 on CPU, 0.11.x on GPU) and installs, in
 one place: which Pallas backends import and lower here, their compiler parameters, Mosaic GPU's
-interpret mode and Triton's deprecation warning."""
+interpret mode and Triton's deprecation warning; and the package's one entry to jax internals,
+the MLIR dialects that inline Mosaic GPU code is built with (`pallas_kernels.mosaic_ptx`)."""
 from __future__ import annotations
 
 import functools
@@ -47,6 +48,14 @@ def mosaic_gpu_load(ref, *, layout, optimized: bool = True):
     if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
         return plgpu.load(ref, (), layout=layout, optimized=optimized)
     return plgpu.load(ref, layout=layout, optimized=optimized)
+
+
+def mlir_builders():
+    """(ir, arith, gpu, llvm, memref): jaxlib's MLIR bindings, which Mosaic GPU builds with and
+    `plgpu.inline_mgpu` bodies use (`pallas_kernels.mosaic_ptx`)."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, gpu, llvm, memref
+    return ir, arith, gpu, llvm, memref
 
 
 def barrier_at(ref, index):

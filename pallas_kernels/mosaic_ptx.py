@@ -17,12 +17,12 @@ address of every 16-byte chunk itself.
 """
 from __future__ import annotations
 
-from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, gpu, llvm
-
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from pallas_kernels import compat
+
+# the builders (jax internals, through compat); the kernels' inline bodies use them from here
+ir, arith, gpu, llvm, memref = compat.mlir_builders()
 
 CHUNK_BYTES = 16            # one cp.async: the largest copy a thread issues, and its alignment
 MBARRIER_BYTES = 8
@@ -146,3 +146,66 @@ def wait(barriers_ref, index, parity, *, fence_async: bool):
             fence_proxy_async()
 
     body(barriers_ref, index, parity)
+
+
+# -- loads, conversions and stores of one thread (converting in a producer warpgroup) -----------
+
+def _i32_struct(n: int) -> ir.Type:
+    return ir.Type.parse("!llvm.struct<(" + ", ".join(["i32"] * n) + ")>")
+
+
+def _fields(struct: ir.Value, n: int) -> list[ir.Value]:
+    i32_type = ir.IntegerType.get_signless(32)
+    return [llvm.extractvalue(i32_type, struct, [k]) for k in range(n)]
+
+
+def load_16(src: ir.Value, read: ir.Value) -> list[ir.Value]:
+    """Four i32: the 16 bytes at global `src` (16-byte aligned, read-only data) where `read`
+    (i1), else zeros (nothing read)."""
+    out = llvm.inline_asm(
+        _i32_struct(4), [read, src],
+        "{\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
+        "@$4 ld.global.nc.L2::256B.v4.u32 {$0, $1, $2, $3}, [$5];\n}",
+        "=r,=r,=r,=r,b,l", has_side_effects=True)
+    return _fields(out, 4)
+
+
+def load_4(src: ir.Value, read: ir.Value) -> ir.Value:
+    """i32: the 4 bytes at global `src` where `read`, else 0."""
+    return llvm.inline_asm(ir.IntegerType.get_signless(32), [read, src],
+                           "{\nmov.b32 $0, 0;\n@$1 ld.global.nc.b32 $0, [$2];\n}", "=r,b,l", has_side_effects=True)
+
+
+def e4m3x4_to_bf16x4(word: ir.Value) -> list[ir.Value]:
+    """Two i32, each a bf16x2: the four e4m3 bytes of `word` (i32, byte 0 lowest) as bf16, byte k
+    at element k (lower half first).  Exact, NaN kept: e4m3 -> f16 -> f32 -> bf16."""
+    out = llvm.inline_asm(
+        _i32_struct(2), [word],
+        "{\n.reg .b16 pair0, pair1, half0, half1;\n.reg .b32 halves;\n.reg .f32 wide0, wide1;\n"
+        "mov.b32 {pair0, pair1}, $2;\n"
+        "cvt.rn.f16x2.e4m3x2 halves, pair0;\nmov.b32 {half0, half1}, halves;\n"
+        "cvt.f32.f16 wide0, half0;\ncvt.f32.f16 wide1, half1;\ncvt.rn.bf16x2.f32 $0, wide1, wide0;\n"
+        "cvt.rn.f16x2.e4m3x2 halves, pair1;\nmov.b32 {half0, half1}, halves;\n"
+        "cvt.f32.f16 wide0, half0;\ncvt.f32.f16 wide1, half1;\ncvt.rn.bf16x2.f32 $1, wide1, wide0;\n}",
+        "=r,=r,r", has_side_effects=False)
+    return _fields(out, 2)
+
+
+def store_16(dst: ir.Value, words: list[ir.Value]):
+    """Four i32 to shared `dst` (16-byte aligned)."""
+    _asm([dst, *words], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r")
+
+
+def store_4(dst: ir.Value, word: ir.Value, predicate: ir.Value):
+    _asm([predicate, dst, word], "@$0 st.shared.b32 [$1], $2;", "b,l,r")
+
+
+def prefetch_l2(src: ir.Value, predicate: ir.Value):
+    """Where `predicate`: fetch the line of global `src` into L2 (no register, no wait)."""
+    _asm([predicate, src], "@$0 prefetch.global.L2 [$1];", "b,l")
+
+
+def arrive(barrier: ir.Value):
+    """One arrival on the mbarrier at `barrier` (release: this thread's writes before it are
+    visible to a waiter)."""
+    _asm([barrier], "{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [$0];\n}", "l")

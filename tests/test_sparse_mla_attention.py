@@ -122,15 +122,22 @@ def test_a_nan_reaches_its_row_and_only_its_row(name, implementation):
     check_the_nan_rule(name, implementation)
 
 
-@pytest.mark.parametrize("name, split_scores, k_slots", [(MOSAIC, False, 1), (MOSAIC, True, 1), ("nvfp4_ds_mla", True, 1),
-                                                          ("bf16", True, 1), ("bf16", False, 2)])
-def test_the_mosaic_kernel_keeps_the_nan_rule(name, split_scores, k_slots, kernel_mode):
+# the per-thread copies and fp8's conversion in the memory warpgroup are inline PTX, which runs
+# compiled only (interpreted, those configs take one issuer's Pallas copies, the cases beside them)
+ON_GPU_ONLY = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("name, split_scores, k_slots, copy_issuers", [
+    (MOSAIC, False, 1, 4), (MOSAIC, True, 1, 4), ("nvfp4_ds_mla", True, 1, 4), ("bf16", True, 1, 4),
+    ("bf16", False, 2, 4), pytest.param(MOSAIC, False, 2, 128, marks=ON_GPU_ONLY)])
+def test_the_mosaic_kernel_keeps_the_nan_rule(name, split_scores, k_slots, copy_issuers, kernel_mode):
     """Either way of computing the scores: split, a NaN in one warpgroup's half must still reach
     the other's output columns (nvfp4: a NaN group scale of the second compute warpgroup's bytes;
-    bf16: one K tile, or two in flight)."""
+    bf16: one K tile, or two in flight; fp8 converted by the memory warpgroup into two K tiles)."""
     check_the_nan_rule(name, dict(implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret"),
                        k=70, selected_column=40,
-                       config=MosaicAttentionTiles(split_scores=split_scores, k_slots=k_slots))
+                       config=MosaicAttentionTiles(split_scores=split_scores, k_slots=k_slots,
+                                                   copy_issuers=copy_issuers))
 
 
 def check_the_nan_rule(name, implementation, k=K, selected_column=4, config=None):
@@ -198,9 +205,11 @@ def test_the_mosaic_kernel_matches_the_oracle(name, heads, kernel_mode):
 
 
 @pytest.mark.parametrize("name, copy_issuers, split_scores, k_slots", [
-    (MOSAIC, 1, False, 1), (MOSAIC, 4, False, 1), (MOSAIC, 4, True, 1), (MOSAIC, 128, True, 1),
-    ("nvfp4_ds_mla", 4, True, 1), ("nvfp4_ds_mla", 128, True, 1), ("bf16", 4, True, 1), ("bf16", 1, False, 2),
-    ("bf16", 4, False, 2), ("bf16", 128, True, 1), ("bf16", 128, False, 2)])
+    (MOSAIC, 1, False, 1), (MOSAIC, 4, False, 1), (MOSAIC, 4, True, 1), ("nvfp4_ds_mla", 4, True, 1),
+    ("bf16", 4, True, 1), ("bf16", 1, False, 2), ("bf16", 4, False, 2)] + [
+    pytest.param(*case, marks=ON_GPU_ONLY) for case in ((MOSAIC, 128, True, 1), (MOSAIC, 128, False, 2),
+                                                        ("nvfp4_ds_mla", 128, True, 1), ("bf16", 128, True, 1),
+                                                        ("bf16", 128, False, 2))])
 def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(name, copy_issuers, split_scores, k_slots,
                                                                             kernel_mode):
     """130 entries (three tiles of 64, the last partial) with scores in the tens: each tile's fp8
@@ -284,15 +293,15 @@ def test_the_mosaic_kernel_lowers_for_cuda():
     format, bf16 with two K tiles and per-thread copies too."""
     sds = jax.ShapeDtypeStruct
     texts = {}
-    for name, issuers, slots in ((MOSAIC, 1, 1), (MOSAIC, 4, 1), (MOSAIC, 128, 1), ("nvfp4_ds_mla", 4, 1),
+    for name, issuers, slots in ((MOSAIC, 1, 1), (MOSAIC, 4, 1), (MOSAIC, 128, 1), (MOSAIC, 128, 2), ("nvfp4_ds_mla", 4, 1),
                                  ("nvfp4_ds_mla", 128, 1), ("bf16", 4, 2), ("bf16", 128, 2)):
         layout = formats.get(name).layout
         tiles = MosaicAttentionTiles(copy_issuers=issuers, split_scores=slots == 1, k_slots=slots)
-        texts[name, issuers] = jax.jit(lambda q, r, i, c: attention_op.sparse_mla_attention_mosaic(
+        texts[name, issuers, slots] = jax.jit(lambda q, r, i, c: attention_op.sparse_mla_attention_mosaic(
             q, r, i, c, 0.04, layout=layout, config=tiles)).trace(
             sds((64, 64, 576), jnp.bfloat16), sds((4096, layout.record_bytes), jnp.uint8), sds((64, 2048), jnp.int32),
             sds((64,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-    for (name, _), text in texts.items():
+    for (name, _, _), text in texts.items():
         kind = formats.get(name).layout.kind
         assert text.count("stablehlo.custom_call") == 1 and f"ckv_sparse_mla_attention_mgpu_{kind}" in text
     assert len(set(texts.values())) == len(texts)

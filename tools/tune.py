@@ -252,7 +252,7 @@ ATTENTION_CONFIGS = [AttentionTiles(h, k, w, st) for h, k, w, st in
                      [(16, 32, 4, 1), (32, 32, 8, 1), (32, 64, 8, 1), (64, 32, 8, 1), (64, 64, 8, 1), (32, 32, 4, 2)]]
 MOSAIC_ATTENTION_CONFIGS = [MosaicAttentionTiles(copy_issuers=w, split_scores=split)
                             for w, split in ((4, False), (4, True), (128, False), (128, True))] + [
-    MosaicAttentionTiles(copy_issuers=w, split_scores=False, k_slots=2) for w in (4, 128)]  # two K tiles: bf16 only
+    MosaicAttentionTiles(copy_issuers=w, split_scores=False, k_slots=2) for w in (4, 128)]  # two K tiles
 SWEPT_ATTENTION = {"pallas_triton": ATTENTION_CONFIGS, "pallas_mosaic_gpu": MOSAIC_ATTENTION_CONFIGS}
 # the prefill shape of the attention goals: T query tokens with their own top-k over a gathered
 # fp8 workspace far above L2, at the head counts of TP 8 (16), TP 2 (64) and one GPU (128)
@@ -277,7 +277,8 @@ def sweep_attention(names, log, results, heads_list=ATTENTION_HEADS, implementat
             attention_op = sparse_mla_attention.SPARSE_MLA_ATTENTION
             variants = [(impl, cfg) for impl, configs in SWEPT_ATTENTION.items() for cfg in configs
                         if (implementations is None or impl in implementations) and impl in reading(fmt.layout)
-                        and (getattr(cfg, "k_slots", 1) == 1 or pallas_mosaic_gpu.copies_into_k(fmt.layout))
+                        and (getattr(cfg, "k_slots", 1) == 1 or pallas_mosaic_gpu.copies_into_k(fmt.layout)
+                             or pallas_mosaic_gpu.converts_in_memory_warpgroup(fmt.layout, cfg))
                         and attention_op.implementation(impl).supported_on(jax.devices()[0], records.size, False)[0]]
             calls = [(q, records, indices, counts) for q, indices, counts in inputs]   # the table as an argument
             for impl, cfg in variants:

@@ -9,8 +9,8 @@ DEFAULT_ORDER: a kernel wherever one runs compiled (a GPU; the Mosaic GPU kernel
 the records it reads), XLA elsewhere.  Triton comes first: at 16 heads it is the faster of the
 two on fp8 records (on the H200, one run: 46.6 against 30.2 TFLOP/s; the Mosaic kernel's split
 scores reached 35.9 in another).  From MOSAIC_FIRST_HEADS heads a call on, compiled on a GPU, the
-Mosaic GPU kernel comes first (64 heads: 147 against 85 TFLOP/s on fp8, 159 against 73 on nvfp4,
-172 against 121 on bf16; BENCHMARKS.md): its CTA always computes 64 heads, so its time does not
+Mosaic GPU kernel comes first (64 heads: 175 against 86 TFLOP/s on fp8, 159 against 73 on nvfp4,
+291 against 122 on bf16; BENCHMARKS.md): its CTA always computes 64 heads, so its time does not
 fall with fewer, while Triton's does.  The work a measured table is keyed by (FLOPs) does not
 tell these apart (a decode step of 128 heads has less work than a prefill chunk of 16), so the
 head count decides, and a measured order still comes first.

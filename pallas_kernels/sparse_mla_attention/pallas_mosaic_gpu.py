@@ -51,22 +51,32 @@ no SMEM for split scores.
 Where it stands (BENCHMARKS.md; T = 4,096, top-k 2,048, 262K records, device timeline): 291 TFLOP/s
 on bf16 at 64 heads (292 at 128) with two K tiles filled by per-thread copies, against 172 with
 four issuing warps: 576 bulk copies a tile, each with its own barrier arrival, were the bound.
-147 on fp8 (154 at 128) and 159 on nvfp4 (160), where per-thread copies change nothing: their
-time is the compute warpgroups' conversion.  For fp8, ncu had both compute warpgroups spilling
+175 on fp8 converted by the memory warpgroup (below) and 159 on nvfp4 (160 at 128 heads), where
+per-thread copies alone change nothing: its time is the compute warpgroups' conversion.  The
+history of the fp8 kernel with one raw slot: ncu had both compute warpgroups spilling
 (16M local-memory requests at T = 256) and 46% of the SMEM wavefronts excessive; then no
 tile-shaped scale or mask array was held across the wgmmas (124 TFLOP/s, spills halved), the raw
 rows were padded off one SMEM bank (excessive wavefronts 1%), and `split_scores` gave each
 compute warpgroup half of the tile's entries: half the score wgmmas and exponentials, the row
 maxima and the bf16 softmax weights exchanged through SMEM (147.6).  Four copy issuers matter
 there: 147.6 against 95.3 with one.  The time does not change from 16 to 64 heads (a CTA always
-holds 64): 35.9 TFLOP/s at 16.  What bf16's two tiles gain is what fp8 and nvfp4 lose to
-converting between the products, not beside them: converting in the memory warpgroup, from
-per-thread loads into two K tiles, is their next step.
+holds 64): 35.9 TFLOP/s at 16.  What bf16's two tiles gained is what fp8 and nvfp4 lost to
+converting between the products, not beside them.
+
+fp8 records converted by the memory warpgroup (`copy_issuers=128`, `k_slots=2`, compiled; the
+default): its threads load their chunks of each row into registers (the thread mapping of the
+per-thread copies), convert the e4m3 bytes to bf16 (exact: e4m3 -> f16 -> f32 -> bf16, inline PTX)
+and store them at their swizzled places in one of two K tiles, the RoPE as it is and the tile
+scales into a table per K tile; the compute warpgroups only wait, score and accumulate.  174.6
+TFLOP/s at 64 heads against 146.7 with the compute warpgroups converting (split scores), 165 at
+decode against 139.  nvfp4 still converts in the compute warpgroups (159).
 
 Interpret mode (CPU tests) runs the same pipeline, copies, barriers and masks; it has no register
 layouts, tiles or swizzles, and its wgmma takes neither a transposed operand nor an accumulator
 initialised from a value, so there the loads are plain, bf16's copies write whole rows of the K
-tile, and the products are float32 dots of the same SMEM tiles.
+tile, and the products are float32 dots of the same SMEM tiles.  It has no inline PTX either: the
+per-thread copies run there as one issuer's Pallas copies, and fp8 records that the memory
+warpgroup would convert go through one raw slot, converted by the compute warpgroups.
 """
 from __future__ import annotations
 
@@ -128,10 +138,12 @@ class MosaicAttentionTiles:
     # exponentials, half the score registers; 147.6 against 123.8 TFLOP/s at 64 heads on the
     # H200); False: each computes every score of the tile (and the whole softmax)
     split_scores: bool = True
-    # bf16 records, which the memory warpgroup copies straight into K tiles: the tiles in flight
-    # (2: the next tile's copies run during this one's products; the SMEM of two 64-row tiles
-    # leaves none for split scores' exchange, so 2 takes split_scores=False).  fp8 and nvfp4 go
-    # through one raw slot into one K tile, whatever this says.
+    # K tiles in flight where the memory warpgroup fills them: bf16 records (copied straight in)
+    # and, compiled with copy_issuers=128, fp8 records (converted there,
+    # `converts_in_memory_warpgroup`).  2: the next tile is filled during this one's products;
+    # the SMEM of two 64-row tiles leaves none for split scores' exchange, so 2 takes
+    # split_scores=False.  Otherwise (nvfp4; fp8 with bulk copies or interpreted) the records go
+    # through one raw slot, converted by the compute warpgroups into one K tile, whatever this says.
     k_slots: int = 1
 
     def __post_init__(self):
@@ -159,12 +171,12 @@ def top_k_fits(layout: RecordLayout, top_k: int) -> bool:
 
 
 def default_tiles(layout: RecordLayout) -> MosaicAttentionTiles:
-    """The measured best config for `layout` (BENCHMARKS.md, H200, 64 heads): split scores and
-    four copy issuers for fp8 and nvfp4 (their time is the conversion's: per-thread copies gain
-    nothing there); for bf16 two K tiles in flight, filled by per-thread copies (284 TFLOP/s
-    against 172 with four issuing warps and 117 with one tile), which leaves no SMEM for the
-    split."""
-    if copies_into_k(layout):
+    """The measured best config for `layout` (BENCHMARKS.md, H200, 64 heads): two K tiles in
+    flight, filled by the memory warpgroup's threads, for bf16 (copied: 284 TFLOP/s against 172
+    with four issuing warps) and fp8 (converted there: 174.6 against 146.7 with split scores and
+    the compute warpgroups converting); they leave no SMEM for split scores.  nvfp4: split scores
+    and four copy issuers (its time is the compute warpgroups' conversion)."""
+    if copies_into_k(layout) or layout.kind == "fp8_tiles":
         return MosaicAttentionTiles(copy_issuers=LANES, split_scores=False, k_slots=2)
     return MosaicAttentionTiles()
 
@@ -179,7 +191,8 @@ def _bf16_row_of(slot, j, chunk, block_k):
 
 def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, zero_row, out_ref, lse_ref,
             q_smem, idx_smem, raw, k_views, exchange, lane_bars, loaded, raw_bars, tile_syncs, slot_free, idx_bars, *,
-            kind, copies, segments, num_records, record_bytes, top_k, block_k, slots, issuers, split, interpret):
+            kind, copies, segments, num_records, record_bytes, top_k, block_k, slots, issuers, converted, split,
+            interpret):
     # idx_ref: i32[T, top_k]; count_ref: i32[T]; scale_ref: f32[1]; q_ref: bf16[T, H_pad, 576]
     # (nvfp4: the NoPE's even elements, then its odd ones)
     # rec_u8 / rec_scales / rec_bf16: the records u8[N, R], viewed as u8, as f32 (fp8: its tile
@@ -216,9 +229,13 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
     heads = pl.ds(hb * HEADS_PER_CTA, HEADS_PER_CTA)
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
     direct = kind == "bf16"              # records copied straight into the K tile (`copies_into_k`)
+    # K tiles filled by the memory warpgroup (bf16: copied; fp8, `converted`: converted there), in
+    # a ring of `slots`, their indices through a ring too; else one raw slot converted by the
+    # compute warpgroups
+    filled = direct or converted
     k_smem = k_views[0]
     scales_smem, p_smem, maxes_smem, stats_smem = exchange
-    if not direct:
+    if not filled:
         nope_raw, scale_raw, rope_raw = raw
     # the interpreter has no warp-level scopes or inline PTX: one issuer of Pallas copies there
     lanes = issuers == LANES and not interpret
@@ -229,14 +246,14 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
 
     def k_tile(i):
         """The K tile of tile i: bf16[block_k, 576] (swizzled)."""
-        return k_smem.at[lax.rem(i, slots)] if direct else k_smem
+        return k_smem.at[lax.rem(i, slots)] if filled else k_smem
 
     def raw_bar(i, b):
         return compat.barrier_at(raw_bars, lax.rem(i, slots) * per_slot + b)
 
     def indices(i, first, size):
         """The ref of tile i's indices [first, first + size) (of its block_k)."""
-        if direct:
+        if filled:
             return idx_smem.at[lax.rem(i, slots), pl.ds(first, size)]
         return idx_smem.at[pl.ds(i * block_k + first, size)]
 
@@ -288,7 +305,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        if not direct:
+        if not filled:
             plgpu.copy_gmem_to_smem(idx_ref.at[t], idx_smem, idx_bar, oob_mode=in_bounds)
             plgpu.barrier_wait(idx_bar)
 
@@ -324,6 +341,29 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                                         k_views[1].at[pl.ds(_bf16_row_of(lax.rem(i, slots), j, c, block_k), 1)],
                                         bar, oob_mode=in_bounds)
 
+        def thread_rows(i_fa, count_fa, idx, records):
+            """In an inline body of tile i (`lane_copies`, `convert_rows`): this thread's group g
+            and place q in it (i32), the tile's slot, and for each of its rows g + 16 r the
+            record's address (i64; a masked entry's: row 0's) and whether it is selected (i1)."""
+            ptx = mosaic_ptx
+            arith, c32 = ptx.arith, ptx.i32
+            lt, ge = arith.CmpIPredicate.slt, arith.CmpIPredicate.sge
+            tile_i, count_i = ptx.scalar(i_fa), ptx.scalar(count_fa)
+            tid = ptx.thread_in_warpgroup()
+            g, q = arith.divui(tid, c32(LANE_GROUP)), arith.remui(tid, c32(LANE_GROUP))
+            base = ptx.address(records)
+            groups = LANES // LANE_GROUP
+            sources, valid = [], []
+            for r in range(block_k // groups):
+                pos = arith.addi(arith.muli(tile_i, c32(block_k)), arith.addi(g, c32(r * groups)))
+                row = ptx.memref.load(idx, [arith.index_cast(ptx.ir.IndexType.get(), pos)])
+                ok = arith.andi(arith.andi(arith.cmpi(lt, pos, count_i), arith.cmpi(ge, row, c32(0))),
+                                arith.cmpi(lt, row, c32(num_records)))
+                row = ptx.to_i64(arith.select(ok, row, c32(0)))
+                sources.append(arith.addi(base, arith.muli(row, ptx.i64(record_bytes))))
+                valid.append(ok)
+            return g, q, arith.remui(tile_i, c32(slots)), sources, valid
+
         def lane_copies(i):
             """Tile i's records in 16-byte chunks (`mosaic_ptx.copy_16`), every thread issuing its
             own, then one arrival of it on the slot's mbarrier, made once they landed.  The
@@ -334,9 +374,8 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
             (the copy reads no source byte).  fp8 / nvfp4: NoPE, scales and RoPE into their raw
             rows; bf16: the whole record into the K tile, a 16-byte chunk q of a row j moving to
             chunk q ^ (j % 8) of its 128-byte row (the 128-byte swizzle)."""
-            from jaxlib.mlir import ir
-            from jaxlib.mlir.dialects import arith, memref
             ptx = mosaic_ptx
+            arith = ptx.arith
             splat = plgpu.Layout.WG_SPLAT(shape=())
             dsts = (k_smem,) if direct else raw
             dst_types = (plgpu.RefType(_swizzled()),) if direct else (plgpu.RefType(),) * len(raw)
@@ -347,22 +386,8 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
 
             @plgpu.inline_mgpu(arg_types=(splat, splat) + (plgpu.RefType(),) * 3 + dst_types)
             def issue(ctx, i_fa, count_fa, idx, records, bars, *dst_refs):
-                lt, ge = arith.CmpIPredicate.slt, arith.CmpIPredicate.sge
-                c32 = ptx.i32
-                tile_i, count_i = ptx.scalar(i_fa), ptx.scalar(count_fa)
-                tid = ptx.thread_in_warpgroup()
-                g, q = arith.divui(tid, c32(LANE_GROUP)), arith.remui(tid, c32(LANE_GROUP))
-                slot = arith.remui(tile_i, c32(slots))
-                base = ptx.address(records)
-                sources, valid = [], []
-                for r in range(rows_per_thread):
-                    pos = arith.addi(arith.muli(tile_i, c32(block_k)), arith.addi(g, c32(r * groups)))
-                    row = memref.load(idx, [arith.index_cast(ir.IndexType.get(), pos)])
-                    ok = arith.andi(arith.andi(arith.cmpi(lt, pos, count_i), arith.cmpi(ge, row, c32(0))),
-                                    arith.cmpi(lt, row, c32(num_records)))
-                    row = ptx.to_i64(arith.select(ok, row, c32(0)))
-                    sources.append(arith.addi(base, arith.muli(row, ptx.i64(record_bytes))))
-                    valid.append(ok)
+                lt, c32 = arith.CmpIPredicate.slt, ptx.i32
+                g, q, slot, sources, valid = thread_rows(i_fa, count_fa, idx, records)
                 chunk = ptx.to_i64(arith.muli(q, c32(ptx.CHUNK_BYTES)))
                 if direct:
                     # row j = g + 16 r of slot s lies in [8, 64] tiles row-major over (s, j // 8,
@@ -395,9 +420,83 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
 
             issue(i, count, idx_ref.at[t], rec_u8, lane_bars, *dsts)
 
+        def convert_rows(i):
+            """fp8 records of tile i converted by this warpgroup into K slot i % slots: the e4m3
+            values themselves (exact in bf16; the tile scales multiply the products, as in the
+            compute warpgroups' conversion), the RoPE as it is, the four tile scales of a row into
+            its slot's table of scales_smem; masked entries' rows and scales zero.  Thread q of
+            group g (as in `lane_copies`) takes rows g + 16 r: NoPE bytes [16 u, 16 u + 16) for
+            u = q + 8 m (K columns of the same span: two 16-byte chunks of piece u // 4), RoPE
+            chunk q, and scale q (q < 4).  It loads a row's bytes into registers (`load_16`),
+            converts, stores them at their swizzled places, and arrives on the slot's mbarrier
+            after fencing the async proxy (the wgmma reads them).  Every row's lines are sent to
+            L2 first (`prefetch_l2`), so that the loads of the later rows find them there."""
+            ptx = mosaic_ptx
+            arith = ptx.arith
+            splat = plgpu.Layout.WG_SPLAT(shape=())
+            groups = LANES // LANE_GROUP
+            rows_per_thread = block_k // groups
+            nope, rope_at, scales_at = segments[0], segments[2][0], segments[1][0]
+            tile_bytes = 8 * COPY_GRANULE
+
+            @plgpu.inline_mgpu(arg_types=(splat, splat) + (plgpu.RefType(),) * 3
+                               + (plgpu.RefType(_swizzled()), plgpu.RefType()))
+            def body(ctx, i_fa, count_fa, idx, records, bars, k_ref, scales_ref):
+                lt, eq = arith.CmpIPredicate.slt, arith.CmpIPredicate.eq
+                c32, c64 = ptx.i32, ptx.i64
+                g, q, slot, sources, valid = thread_rows(i_fa, count_fa, idx, records)
+                g8 = arith.remui(g, c32(8))
+                # the rows' lines into L2: thread q the line at 128 q bytes, the last thread its last byte
+                line = arith.select(arith.cmpi(eq, q, c32(LANE_GROUP - 1)), c32(record_bytes - 1),
+                                    arith.muli(q, c32(COPY_GRANULE)))
+                in_row = arith.cmpi(lt, line, c32(record_bytes))
+                for src, ok in zip(sources, valid):
+                    ptx.prefetch_l2(arith.addi(src, ptx.to_i64(line)), arith.andi(ok, in_row))
+                # this thread's place in the slot: row g's [8, 64] tile row (slot, g // 8) of K,
+                # its row g % 8 in it; chunk c of a piece lands at chunk c ^ (g % 8)
+                k_base = arith.addi(ptx.address(k_ref), ptx.to_i64(arith.addi(
+                    arith.muli(arith.addi(arith.muli(slot, c32(block_k // 8)), arith.divui(g, c32(8))),
+                               c32(BF16_CHUNKS * tile_bytes)),
+                    arith.muli(g8, c32(COPY_GRANULE)))))
+                row_step = (groups // 8) * BF16_CHUNKS * tile_bytes       # r -> r + 1: 16 rows on
+
+                def chunk_at(c):            # the swizzled offset of chunk c (i32) within a 128-byte row
+                    return ptx.to_i64(arith.muli(arith.xori(c, g8), c32(ptx.CHUNK_BYTES)))
+
+                pair = arith.muli(arith.remui(q, c32(4)), c32(2))         # the two chunks of a 16-byte load
+                first_chunk, second_chunk = chunk_at(pair), chunk_at(arith.addi(pair, c32(1)))
+                piece_of_q = arith.divui(q, c32(4))
+                scale_row = arith.addi(arith.muli(slot, c32(NUM_PARTS)), q)      # table row of part q
+                scale_base = arith.addi(ptx.address(scales_ref),
+                                        ptx.to_i64(arith.muli(arith.muli(scale_row, c32(block_k)), c32(4))))
+                has_scale = arith.cmpi(lt, q, c32(NUM_PARTS))
+                for r in range(rows_per_thread):
+                    src, ok = sources[r], valid[r]
+                    row_base = arith.addi(k_base, c64(r * row_step))
+                    for m in range(nope[1] // (LANE_GROUP * ptx.CHUNK_BYTES)):
+                        u = arith.addi(q, c32(LANE_GROUP * m))
+                        words = ptx.load_16(arith.addi(src, ptx.to_i64(arith.muli(u, c32(ptx.CHUNK_BYTES)))), ok)
+                        values = [v for w in words for v in ptx.e4m3x4_to_bf16x4(w)]
+                        piece = ptx.to_i64(arith.muli(arith.addi(piece_of_q, c32(2 * m)), c32(tile_bytes)))
+                        at = arith.addi(row_base, piece)
+                        ptx.store_16(arith.addi(at, first_chunk), values[:4])
+                        ptx.store_16(arith.addi(at, second_chunk), values[4:])
+                    rope = ptx.load_16(arith.addi(src, arith.addi(c64(rope_at), ptx.to_i64(
+                        arith.muli(q, c32(ptx.CHUNK_BYTES))))), ok)
+                    ptx.store_16(arith.addi(arith.addi(row_base, c64((NOPE_DIM // BF16_CHUNK_COLUMNS) * tile_bytes)),
+                                            chunk_at(q)), rope)
+                    scale = ptx.load_4(arith.addi(src, arith.addi(c64(scales_at), ptx.to_i64(arith.muli(q, c32(4))))),
+                                       arith.andi(ok, has_scale))
+                    ptx.store_4(arith.addi(scale_base, ptx.to_i64(arith.muli(arith.addi(g, c32(r * groups)), c32(4)))),
+                                scale, has_scale)
+                ptx.fence_proxy_async()
+                ptx.arrive(ptx.barrier_address(bars, slot))
+
+            body(i, count, idx_ref.at[t], rec_u8, lane_bars, k_smem, scales_smem)
+
         @pl.loop(0, num_tiles)
         def _tile(i):
-            if direct:
+            if filled:
                 @pl.when(i >= slots)
                 def _():                  # both compute warpgroups are done with tile i - slots
                     plgpu.barrier_wait(compat.barrier_at(slot_free, lax.rem(i, slots)))
@@ -412,7 +511,9 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                 def _():
                     plgpu.barrier_wait(consumed_bar)         # both compute warpgroups read the slot
 
-            if lanes:
+            if converted:
+                convert_rows(i)
+            elif lanes:
                 lane_copies(i)
             elif per_slot == 1 or interpret:
                 copy_rows(i, 0, 1)
@@ -422,7 +523,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                     copy_rows(i, lax.axis_index("warp"), per_slot)
 
         # every phase of the slot barriers observed: the last tiles'
-        if direct:
+        if filled:
             @pl.loop(jnp.maximum(num_tiles - slots, 0), num_tiles)
             def _(i):
                 plgpu.barrier_wait(compat.barrier_at(slot_free, lax.rem(i, slots)))
@@ -435,7 +536,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
         plgpu.set_max_registers(232, action="increase")
         if w == 0:
             plgpu.copy_gmem_to_smem(q_ref.at[t, heads], q_smem, q_bar)
-        if not direct:
+        if not filled:
             plgpu.barrier_wait(idx_bar)
         plgpu.barrier_wait(q_bar)
         sm_scale = scale_ref[0]
@@ -497,14 +598,14 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
             accs, m_prev, l_prev, nan_seen, seen = carry
             pos0 = i * block_k
             if lanes:                     # bf16: the wgmma reads what the copies wrote
-                mosaic_ptx.wait(lane_bars, lax.rem(i, slots), lax.rem(lax.div(i, slots), 2), fence_async=direct)
-                if direct:                # the ring's indices of the masks (the copies did not wait)
+                mosaic_ptx.wait(lane_bars, lax.rem(i, slots), lax.rem(lax.div(i, slots), 2), fence_async=filled)
+                if filled:                # the ring's indices of the masks (the copies did not wait)
                     plgpu.barrier_wait(compat.barrier_at(idx_bars, lax.rem(i, slots)))
             else:
                 for b in range(per_slot):
                     plgpu.barrier_wait(raw_bar(i, b))
             k_cur = k_tile(i)
-            if not direct:
+            if not filled:
                 k_rows = load(indices(i, 0, block_k), rows_of)
                 k_pos = pos0 + iota((block_k,), 0, rows_of)
                 row_ok = entry_ok(k_pos, k_rows)
@@ -530,7 +631,8 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                 return scores_of(q_smem.at[:, cols], k_cur.at[keys, cols])
 
             def part_scale(p, columns):
-                return lax.broadcast_in_dim(load(scales_smem.at[p, columns], cols_of),
+                row = lax.rem(i, slots) * NUM_PARTS + p if converted else p     # converted: a table per slot
+                return lax.broadcast_in_dim(load(scales_smem.at[row, columns], cols_of),
                                             (HEADS_PER_CTA, columns.size), (1,))
 
             if kind == "fp8_tiles":
@@ -569,7 +671,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                 acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
                 new_accs.append(accumulate(acc, weights, k_cur.at[:, pl.ds(p * PART, PART)]))
             plgpu.wgmma_wait(0)
-            if direct:
+            if filled:
                 # the slot is the memory warpgroup's again; the SMEM both exchange through needs
                 # no barrier here (each reads the other's maxima and weights before it arrives at
                 # the next exchange, which the other waits for before writing again)
@@ -620,6 +722,14 @@ def records_as(records: jax.Array, dtype) -> jax.Array:
         return records
     n, width = records.shape
     return lax.bitcast_convert_type(records.reshape(n, width // size, size), dtype)
+
+
+def converts_in_memory_warpgroup(layout: RecordLayout, config: MosaicAttentionTiles, interpret=False) -> bool:
+    """Whether the memory warpgroup converts fp8 records into two K tiles itself (compiled, with
+    per-thread copies and `k_slots=2`); interpreted, the same config converts in the compute
+    warpgroups through one raw slot."""
+    return (layout.kind == "fp8_tiles" and config.copy_issuers == LANES and config.k_slots == 2
+            and not interpret)
 
 
 def lane_segments(layout: RecordLayout) -> tuple[tuple[int, int], ...]:
@@ -677,7 +787,8 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
     direct = copies_into_k(layout)
     config = config or default_tiles(layout)
     block_k = config.block_k
-    slots = config.k_slots if direct else 1
+    converted = converts_in_memory_warpgroup(layout, config, interpret)
+    slots = config.k_slots if direct or converted else 1
     if slots > 1 and config.split_scores:
         # measured: 236,656 bytes of SMEM against the H200's 232,448 (the exchange of split
         # scores, 9 KB, beside two K tiles and Q)
@@ -707,6 +818,9 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
             plgpu.SMEM(k_shape, jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((slots * block_k * BF16_CHUNKS, BF16_CHUNK_COLUMNS), jnp.bfloat16,
                        transforms=(plgpu.TilingTransform((1, BF16_CHUNK_COLUMNS)), plgpu.SwizzleTransform(128))))
+    elif converted:
+        copies, raw, copies_per_row = record_copies(layout), (), 1
+        k_views = (plgpu.SMEM((slots, block_k, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),)
     else:
         copies, copies_per_row = record_copies(layout), COPIES_PER_ROW
         scale_dtype = scale_view_dtype(layout)
@@ -720,10 +834,11 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
     per_slot = _copy_barriers_per_slot(issuers)
     kernel = functools.partial(_kernel, kind=layout.kind, copies=copies, segments=lane_segments(layout),
                                num_records=n, record_bytes=layout.record_bytes, top_k=kp, block_k=block_k,
-                               slots=slots, issuers=issuers, split=split, interpret=bool(interpret))
+                               slots=slots, issuers=issuers, converted=converted, split=split,
+                               interpret=bool(interpret))
     # the tile scales (fp8) and the exchange of split scores, minimal where unused (and then one
     # allocation: each is aligned on its own)
-    exchange = (plgpu.SMEM((NUM_PARTS, block_k) if layout.kind == "fp8_tiles" else (1, 8), jnp.float32),
+    exchange = (plgpu.SMEM((slots * NUM_PARTS, block_k) if layout.kind == "fp8_tiles" else (1, 8), jnp.float32),
                 plgpu.SMEM((HEADS_PER_CTA, block_k + ROW_PAD_BYTES // 2) if split else (8, 8), jnp.bfloat16),
                 plgpu.SMEM((2, HEADS_PER_CTA) if split else (1, 8), jnp.float32),
                 plgpu.SMEM((6, HEADS_PER_CTA) if split else (1, 8), jnp.float32))
@@ -731,7 +846,7 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
         exchange = plgpu.RefUnion(*exchange)     # unused: aliased
     smem = [
         plgpu.SMEM((HEADS_PER_CTA, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),
-        plgpu.SMEM((slots, block_k) if direct else (kp,), jnp.int32),
+        plgpu.SMEM((slots, block_k) if direct or converted else (kp,), jnp.int32),
         raw,
         k_views,
         exchange,
