@@ -215,8 +215,9 @@ def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(name
     """130 entries (three tiles of 64, the last partial) with scores in the tens: each tile's fp8
     scale (each group's nvfp4 scale) must multiply its own products, exactly; with the record
     copies issued by the memory warpgroup as one, by its four warps and by each of its threads
-    (interpreted: one issuer, over the four barriers), and with the scores computed by both compute warpgroups or split
-    between them; bf16 records copied straight into one K tile, or into two in turn."""
+    (interpreted: one issuer, over the four barriers), and with the scores computed by both compute
+    warpgroups or split between them; bf16 records copied straight into one K tile, or into two in
+    turn; fp8 records converted by the memory warpgroup into two."""
     q, records, indices, counts, sm_scale = make_case(name, 3, 16, seed=13, k=130)
     q = (q.astype(np.float32) * 16).astype(ml_dtypes.bfloat16)
     want = oracle_attention(name, q, records, indices, counts, sm_scale)

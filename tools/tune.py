@@ -277,8 +277,7 @@ def sweep_attention(names, log, results, heads_list=ATTENTION_HEADS, implementat
             attention_op = sparse_mla_attention.SPARSE_MLA_ATTENTION
             variants = [(impl, cfg) for impl, configs in SWEPT_ATTENTION.items() for cfg in configs
                         if (implementations is None or impl in implementations) and impl in reading(fmt.layout)
-                        and (getattr(cfg, "k_slots", 1) == 1 or pallas_mosaic_gpu.copies_into_k(fmt.layout)
-                             or pallas_mosaic_gpu.converts_in_memory_warpgroup(fmt.layout, cfg))
+                        and (getattr(cfg, "k_slots", 1) == 1 or pallas_mosaic_gpu.fills_k_tiles(fmt.layout, cfg))
                         and attention_op.implementation(impl).supported_on(jax.devices()[0], records.size, False)[0]]
             calls = [(q, records, indices, counts) for q, indices, counts in inputs]   # the table as an argument
             for impl, cfg in variants:

@@ -108,12 +108,16 @@ WARPS_PER_WARPGROUP = 4
 COPIES_PER_ROW = 3          # the NoPE bytes, the 128 bytes from the scales on, the RoPE
 LANES = 128                 # threads of the memory warpgroup
 LANE_GROUP = 8              # copy_issuers=128: threads that copy one 128-byte piece of a row together
+LANE_GROUPS = LANES // LANE_GROUP
 COPY_ISSUERS = (1, WARPS_PER_WARPGROUP, LANES)
 COPY_GRANULE = 128          # bytes: every record copy moves a multiple of it
 # bf16 records go straight into the K tile (128-byte swizzles): a K row lies in nine 128-byte
 # chunks of 64 columns, one copy each
 BF16_CHUNK_COLUMNS = 64
 BF16_CHUNKS = (NOPE_DIM + ROPE_DIM) // BF16_CHUNK_COLUMNS
+K_TILE_BYTES = 8 * COPY_GRANULE     # one [8, 64] tile of a K slot in SMEM: eight swizzled 128-byte rows
+# copy_issuers=128: a thread's next row (16 rows on) is two [8, 64] tile rows of a K slot further
+K_ROW_STEP = (LANE_GROUPS // 8) * BF16_CHUNKS * K_TILE_BYTES
 # nvfp4: packed NoPE bytes converted at a time (the expanded group scales of that many columns
 # are float32 registers beside the accumulators)
 NVFP4_CONVERT_BYTES = 64
@@ -351,18 +355,18 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
             tile_i, count_i = ptx.scalar(i_fa), ptx.scalar(count_fa)
             tid = ptx.thread_in_warpgroup()
             g, q = arith.divui(tid, c32(LANE_GROUP)), arith.remui(tid, c32(LANE_GROUP))
+            slot = arith.remui(tile_i, c32(slots))
             base = ptx.address(records)
-            groups = LANES // LANE_GROUP
             sources, valid = [], []
-            for r in range(block_k // groups):
-                pos = arith.addi(arith.muli(tile_i, c32(block_k)), arith.addi(g, c32(r * groups)))
+            for r in range(block_k // LANE_GROUPS):
+                pos = arith.addi(arith.muli(tile_i, c32(block_k)), arith.addi(g, c32(r * LANE_GROUPS)))
                 row = ptx.memref.load(idx, [arith.index_cast(ptx.ir.IndexType.get(), pos)])
                 ok = arith.andi(arith.andi(arith.cmpi(lt, pos, count_i), arith.cmpi(ge, row, c32(0))),
                                 arith.cmpi(lt, row, c32(num_records)))
                 row = ptx.to_i64(arith.select(ok, row, c32(0)))
                 sources.append(arith.addi(base, arith.muli(row, ptx.i64(record_bytes))))
                 valid.append(ok)
-            return g, q, arith.remui(tile_i, c32(slots)), sources, valid
+            return g, q, slot, sources, valid
 
         def lane_copies(i):
             """Tile i's records in 16-byte chunks (`mosaic_ptx.copy_16`), every thread issuing its
@@ -381,8 +385,6 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
             dst_types = (plgpu.RefType(_swizzled()),) if direct else (plgpu.RefType(),) * len(raw)
             # bytes from one row of each raw ref to the next
             dst_rows = (0,) if direct else tuple(r.shape[1] * jnp.dtype(r.dtype).itemsize for r in raw)
-            groups = LANES // LANE_GROUP
-            rows_per_thread = block_k // groups
 
             @plgpu.inline_mgpu(arg_types=(splat, splat) + (plgpu.RefType(),) * 3 + dst_types)
             def issue(ctx, i_fa, count_fa, idx, records, bars, *dst_refs):
@@ -394,13 +396,11 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                     # piece) (`_bf16_row_of`), at 128 bytes a row within one; the swizzle moves
                     # chunk q to q ^ (j % 8), and j % 8 = g % 8 for every r
                     g8 = arith.remui(g, c32(8))
-                    tile_bytes = 8 * COPY_GRANULE
                     first = arith.addi(arith.muli(arith.addi(arith.muli(slot, c32(block_k // 8)), arith.divui(g, c32(8))),
-                                                  c32(BF16_CHUNKS * tile_bytes)),
+                                                  c32(BF16_CHUNKS * K_TILE_BYTES)),
                                        arith.addi(arith.muli(g8, c32(COPY_GRANULE)),
                                                   arith.muli(arith.xori(q, g8), c32(ptx.CHUNK_BYTES))))
                     thread_dsts = [arith.addi(ptx.address(dst_refs[0]), ptx.to_i64(first))]
-                    row_step = (groups // 8) * BF16_CHUNKS * tile_bytes     # r -> r + 1: 16 rows on
                 else:
                     thread_dsts = [arith.addi(arith.addi(ptx.address(d), ptx.to_i64(arith.muli(g, c32(rows)))), chunk)
                                    for d, rows in zip(dst_refs, dst_rows)]
@@ -409,11 +409,11 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                     for piece in range(-(-nbytes // COPY_GRANULE)):
                         chunks = min(nbytes - piece * COPY_GRANULE, COPY_GRANULE) // ptx.CHUNK_BYTES
                         in_piece = arith.cmpi(lt, q, c32(chunks))        # a short last piece: its first chunks
-                        for r in range(rows_per_thread):
+                        for r in range(block_k // LANE_GROUPS):
                             if direct:
-                                dst_off = r * row_step + piece * tile_bytes
+                                dst_off = r * K_ROW_STEP + piece * K_TILE_BYTES
                             else:
-                                dst_off = r * groups * dst_rows[k] + piece * COPY_GRANULE
+                                dst_off = r * LANE_GROUPS * dst_rows[k] + piece * COPY_GRANULE
                             src = arith.addi(sources[r], arith.addi(chunk, ptx.i64(src_offset + piece * COPY_GRANULE)))
                             ptx.copy_16(arith.addi(dst_base, ptx.i64(dst_off)), src, in_piece, valid[r])
                 ptx.arrive_when_done(ptx.barrier_address(bars, slot))
@@ -434,10 +434,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
             ptx = mosaic_ptx
             arith = ptx.arith
             splat = plgpu.Layout.WG_SPLAT(shape=())
-            groups = LANES // LANE_GROUP
-            rows_per_thread = block_k // groups
             nope, rope_at, scales_at = segments[0], segments[2][0], segments[1][0]
-            tile_bytes = 8 * COPY_GRANULE
 
             @plgpu.inline_mgpu(arg_types=(splat, splat) + (plgpu.RefType(),) * 3
                                + (plgpu.RefType(_swizzled()), plgpu.RefType()))
@@ -456,9 +453,8 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                 # its row g % 8 in it; chunk c of a piece lands at chunk c ^ (g % 8)
                 k_base = arith.addi(ptx.address(k_ref), ptx.to_i64(arith.addi(
                     arith.muli(arith.addi(arith.muli(slot, c32(block_k // 8)), arith.divui(g, c32(8))),
-                               c32(BF16_CHUNKS * tile_bytes)),
+                               c32(BF16_CHUNKS * K_TILE_BYTES)),
                     arith.muli(g8, c32(COPY_GRANULE)))))
-                row_step = (groups // 8) * BF16_CHUNKS * tile_bytes       # r -> r + 1: 16 rows on
 
                 def chunk_at(c):            # the swizzled offset of chunk c (i32) within a 128-byte row
                     return ptx.to_i64(arith.muli(arith.xori(c, g8), c32(ptx.CHUNK_BYTES)))
@@ -470,24 +466,23 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                 scale_base = arith.addi(ptx.address(scales_ref),
                                         ptx.to_i64(arith.muli(arith.muli(scale_row, c32(block_k)), c32(4))))
                 has_scale = arith.cmpi(lt, q, c32(NUM_PARTS))
-                for r in range(rows_per_thread):
-                    src, ok = sources[r], valid[r]
-                    row_base = arith.addi(k_base, c64(r * row_step))
+                for r, (src, ok) in enumerate(zip(sources, valid)):
+                    row_base = arith.addi(k_base, c64(r * K_ROW_STEP))
                     for m in range(nope[1] // (LANE_GROUP * ptx.CHUNK_BYTES)):
                         u = arith.addi(q, c32(LANE_GROUP * m))
                         words = ptx.load_16(arith.addi(src, ptx.to_i64(arith.muli(u, c32(ptx.CHUNK_BYTES)))), ok)
                         values = [v for w in words for v in ptx.e4m3x4_to_bf16x4(w)]
-                        piece = ptx.to_i64(arith.muli(arith.addi(piece_of_q, c32(2 * m)), c32(tile_bytes)))
+                        piece = ptx.to_i64(arith.muli(arith.addi(piece_of_q, c32(2 * m)), c32(K_TILE_BYTES)))
                         at = arith.addi(row_base, piece)
                         ptx.store_16(arith.addi(at, first_chunk), values[:4])
                         ptx.store_16(arith.addi(at, second_chunk), values[4:])
                     rope = ptx.load_16(arith.addi(src, arith.addi(c64(rope_at), ptx.to_i64(
                         arith.muli(q, c32(ptx.CHUNK_BYTES))))), ok)
-                    ptx.store_16(arith.addi(arith.addi(row_base, c64((NOPE_DIM // BF16_CHUNK_COLUMNS) * tile_bytes)),
+                    ptx.store_16(arith.addi(arith.addi(row_base, c64((NOPE_DIM // BF16_CHUNK_COLUMNS) * K_TILE_BYTES)),
                                             chunk_at(q)), rope)
                     scale = ptx.load_4(arith.addi(src, arith.addi(c64(scales_at), ptx.to_i64(arith.muli(q, c32(4))))),
                                        arith.andi(ok, has_scale))
-                    ptx.store_4(arith.addi(scale_base, ptx.to_i64(arith.muli(arith.addi(g, c32(r * groups)), c32(4)))),
+                    ptx.store_4(arith.addi(scale_base, ptx.to_i64(arith.muli(arith.addi(g, c32(r * LANE_GROUPS)), c32(4)))),
                                 scale, has_scale)
                 ptx.fence_proxy_async()
                 ptx.arrive(ptx.barrier_address(bars, slot))
@@ -732,6 +727,12 @@ def converts_in_memory_warpgroup(layout: RecordLayout, config: MosaicAttentionTi
             and not interpret)
 
 
+def fills_k_tiles(layout: RecordLayout, config: MosaicAttentionTiles, interpret=False) -> bool:
+    """Whether the memory warpgroup fills the K tiles itself (bf16 copied, fp8 converted), so that
+    `config.k_slots` of them can be in flight; otherwise one raw slot feeds one K tile."""
+    return copies_into_k(layout) or converts_in_memory_warpgroup(layout, config, interpret)
+
+
 def lane_segments(layout: RecordLayout) -> tuple[tuple[int, int], ...]:
     """(byte offset, bytes) in a record of what `copy_issuers=128` copies of each row: bf16, the
     whole record (into the K tile); fp8 and nvfp4, the NoPE bytes, the scales and the RoPE (into
@@ -788,7 +789,7 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
     config = config or default_tiles(layout)
     block_k = config.block_k
     converted = converts_in_memory_warpgroup(layout, config, interpret)
-    slots = config.k_slots if direct or converted else 1
+    slots = config.k_slots if fills_k_tiles(layout, config, interpret) else 1
     if slots > 1 and config.split_scores:
         # measured: 236,656 bytes of SMEM against the H200's 232,448 (the exchange of split
         # scores, 9 KB, beside two K tiles and Q)
@@ -846,7 +847,7 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
         exchange = plgpu.RefUnion(*exchange)     # unused: aliased
     smem = [
         plgpu.SMEM((HEADS_PER_CTA, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),
-        plgpu.SMEM((slots, block_k) if direct or converted else (kp,), jnp.int32),
+        plgpu.SMEM((slots, block_k) if fills_k_tiles(layout, config, interpret) else (kp,), jnp.int32),
         raw,
         k_views,
         exchange,
