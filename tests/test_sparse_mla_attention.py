@@ -124,12 +124,12 @@ def test_a_nan_reaches_its_row_and_only_its_row(name, implementation):
 
 # the per-thread copies and fp8's conversion in the memory warpgroup are inline PTX, which runs
 # compiled only (interpreted, those configs take one issuer's Pallas copies, the cases beside them)
-ON_GPU_ONLY = pytest.mark.gpu
+COMPILED_ONLY = pytest.mark.compiled_only
 
 
 @pytest.mark.parametrize("name, split_scores, k_slots, copy_issuers", [
     (MOSAIC, False, 1, 4), (MOSAIC, True, 1, 4), ("nvfp4_ds_mla", True, 1, 4), ("bf16", True, 1, 4),
-    ("bf16", False, 2, 4), pytest.param(MOSAIC, False, 2, 128, marks=ON_GPU_ONLY)])
+    ("bf16", False, 2, 4), pytest.param(MOSAIC, False, 2, 128, marks=COMPILED_ONLY)])
 def test_the_mosaic_kernel_keeps_the_nan_rule(name, split_scores, k_slots, copy_issuers, kernel_mode):
     """Either way of computing the scores: split, a NaN in one warpgroup's half must still reach
     the other's output columns (nvfp4: a NaN group scale of the second compute warpgroup's bytes;
@@ -207,7 +207,7 @@ def test_the_mosaic_kernel_matches_the_oracle(name, heads, kernel_mode):
 @pytest.mark.parametrize("name, copy_issuers, split_scores, k_slots", [
     (MOSAIC, 1, False, 1), (MOSAIC, 4, False, 1), (MOSAIC, 4, True, 1), ("nvfp4_ds_mla", 4, True, 1),
     ("bf16", 4, True, 1), ("bf16", 1, False, 2), ("bf16", 4, False, 2)] + [
-    pytest.param(*case, marks=ON_GPU_ONLY) for case in ((MOSAIC, 128, True, 1), (MOSAIC, 128, False, 2),
+    pytest.param(*case, marks=COMPILED_ONLY) for case in ((MOSAIC, 128, True, 1), (MOSAIC, 128, False, 2),
                                                         ("nvfp4_ds_mla", 128, True, 1), ("bf16", 128, True, 1),
                                                         ("bf16", 128, False, 2))])
 def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(name, copy_issuers, split_scores, k_slots,

@@ -69,7 +69,10 @@ per-thread copies), convert the e4m3 bytes to bf16 (exact: e4m3 -> f16 -> f32 ->
 and store them at their swizzled places in one of two K tiles, the RoPE as it is and the tile
 scales into a table per K tile; the compute warpgroups only wait, score and accumulate.  174.6
 TFLOP/s at 64 heads against 146.7 with the compute warpgroups converting (split scores), 165 at
-decode against 139.  nvfp4 still converts in the compute warpgroups (159).
+decode against 139.  nvfp4 still converts in the compute warpgroups (159).  What bounds it
+(BENCHMARKS.md, variants with the rows staged in SMEM by `cp.async` first): 169 as such, 194 with
+one score chain (tile scales ignored), 268 with the records copied but not converted; so the
+memory warpgroup's conversion loop is fp8's first limit, the exact five-part scores its second.
 
 Interpret mode (CPU tests) runs the same pipeline, copies, barriers and masks; it has no register
 layouts, tiles or swizzles, and its wgmma takes neither a transposed operand nor an accumulator
