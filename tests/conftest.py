@@ -17,7 +17,7 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords and not ON_GPU:
             item.add_marker(skip)
     # a case marked compiled_only has no interpreted run: interpreted, its config takes the path
-    # of another case (and on a GPU host the interpreter takes minutes)
+    # of another case (and on a GPU host one such case did not finish in 120 s)
     interpreted_twice = [item for item in items if "compiled_only" in item.keywords
                          and getattr(item, "callspec", None) and item.callspec.params.get("kernel_mode") == "interpret"]
     if interpreted_twice:

@@ -73,8 +73,8 @@ def regions(sass: str) -> list[tuple[str, list[str], list[str]]]:
         predicated, opcode = m.group(1) is not None, m.group(2)
         if opcode.startswith("USETMAXREG"):
             close()
-            count = re.search(r"0x[0-9a-f]+\s*;", line)
-            registers = f" ({int(count.group(0)[:-1], 16)} registers)" if count else ""
+            count = re.search(r"(0x[0-9a-f]+)\s*;", line)
+            registers = f" ({int(count.group(1), 16)} registers)" if count else ""
             name, ops, labels, loops = f"{opcode}{registers}", [], {}, []
         target = SASS_BRANCH.search(line)
         if predicated and target and target.group(1) in labels:
