@@ -129,11 +129,13 @@ COMPILED_ONLY = pytest.mark.compiled_only
 
 @pytest.mark.parametrize("name, split_scores, k_slots, copy_issuers", [
     (MOSAIC, False, 1, 4), (MOSAIC, True, 1, 4), ("nvfp4_ds_mla", True, 1, 4), ("bf16", True, 1, 4),
-    ("bf16", False, 2, 4), pytest.param(MOSAIC, False, 2, 128, marks=COMPILED_ONLY)])
+    ("bf16", False, 2, 4), ("bf16", True, 2, 4), pytest.param(MOSAIC, False, 2, 128, marks=COMPILED_ONLY),
+    pytest.param(MOSAIC, True, 2, 128, marks=COMPILED_ONLY)])
 def test_the_mosaic_kernel_keeps_the_nan_rule(name, split_scores, k_slots, copy_issuers, kernel_mode):
     """Either way of computing the scores: split, a NaN in one warpgroup's half must still reach
     the other's output columns (nvfp4: a NaN group scale of the second compute warpgroup's bytes;
-    bf16: one K tile, or two in flight; fp8 converted by the memory warpgroup into two K tiles)."""
+    bf16: one K tile, or two in flight; fp8 converted by the memory warpgroup into two K tiles;
+    split with two K tiles: Q's RoPE columns in registers)."""
     check_the_nan_rule(name, dict(implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret"),
                        k=70, selected_column=40,
                        config=MosaicAttentionTiles(split_scores=split_scores, k_slots=k_slots,
@@ -206,10 +208,11 @@ def test_the_mosaic_kernel_matches_the_oracle(name, heads, kernel_mode):
 
 @pytest.mark.parametrize("name, copy_issuers, split_scores, k_slots", [
     (MOSAIC, 1, False, 1), (MOSAIC, 4, False, 1), (MOSAIC, 4, True, 1), ("nvfp4_ds_mla", 4, True, 1),
-    ("bf16", 4, True, 1), ("bf16", 1, False, 2), ("bf16", 4, False, 2)] + [
+    ("bf16", 4, True, 1), ("bf16", 1, False, 2), ("bf16", 4, False, 2), ("bf16", 4, True, 2)] + [
     pytest.param(*case, marks=COMPILED_ONLY) for case in ((MOSAIC, 128, True, 1), (MOSAIC, 128, False, 2),
-                                                        ("nvfp4_ds_mla", 128, True, 1), ("bf16", 128, True, 1),
-                                                        ("bf16", 128, False, 2))])
+                                                        (MOSAIC, 128, True, 2), ("nvfp4_ds_mla", 128, True, 1),
+                                                        ("bf16", 128, True, 1), ("bf16", 128, False, 2),
+                                                        ("bf16", 128, True, 2))])
 def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(name, copy_issuers, split_scores, k_slots,
                                                                             kernel_mode):
     """130 entries (three tiles of 64, the last partial) with scores in the tens: each tile's fp8
@@ -217,7 +220,8 @@ def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(name
     copies issued by the memory warpgroup as one, by its four warps and by each of its threads
     (interpreted: one issuer, over the four barriers), and with the scores computed by both compute
     warpgroups or split between them; bf16 records copied straight into one K tile, or into two in
-    turn; fp8 records converted by the memory warpgroup into two."""
+    turn; fp8 records converted by the memory warpgroup into two (split with two K tiles: Q's RoPE
+    columns in registers)."""
     q, records, indices, counts, sm_scale = make_case(name, 3, 16, seed=13, k=130)
     q = (q.astype(np.float32) * 16).astype(ml_dtypes.bfloat16)
     want = oracle_attention(name, q, records, indices, counts, sm_scale)
@@ -278,10 +282,11 @@ def test_the_mosaic_kernel_names_what_it_does_not_read():
         MosaicAttentionTiles(k_slots=3)
     q16, records16, indices16, counts16, _ = (jnp.asarray(a) if isinstance(a, np.ndarray) else a
                                               for a in make_case("bf16", 2, 16, seed=1))
-    with pytest.raises(ValueError, match="config: 2 K slots leave no shared memory for split scores"):
-        attention_op.sparse_mla_attention(q16, records16, indices16, counts16, sm_scale, layout=formats.get("bf16").layout,
-                                          implementation="pallas_mosaic_gpu", interpret=True,
-                                          config=MosaicAttentionTiles(k_slots=2))
+    for registers in (236, 248, 16):
+        with pytest.raises(ValueError, match=rf"compute_registers: expected a multiple of 8 in \[24, 240\] "
+                                             rf"\(the memory warpgroup keeps at least 24\), got {registers}"):
+            MosaicAttentionTiles(compute_registers=registers)
+    assert MosaicAttentionTiles().memory_registers == 40
     wide = jnp.zeros((2, 4097), jnp.int32)
     with pytest.raises(ValueError, match=r"indices: .* at most 4096 entries; got int32\[2, 4097\]"):
         attention_op.sparse_mla_attention(q8, records8, wide, counts8, sm_scale, layout=formats.get(MOSAIC).layout,
@@ -294,15 +299,17 @@ def test_the_mosaic_kernel_lowers_for_cuda():
     format, bf16 with two K tiles and per-thread copies too."""
     sds = jax.ShapeDtypeStruct
     texts = {}
-    for name, issuers, slots in ((MOSAIC, 1, 1), (MOSAIC, 4, 1), (MOSAIC, 128, 1), (MOSAIC, 128, 2), ("nvfp4_ds_mla", 4, 1),
-                                 ("nvfp4_ds_mla", 128, 1), ("bf16", 4, 2), ("bf16", 128, 2)):
+    for name, issuers, slots, split in ((MOSAIC, 1, 1, True), (MOSAIC, 4, 1, True), (MOSAIC, 128, 1, True),
+                                        (MOSAIC, 128, 2, False), (MOSAIC, 128, 2, True), ("nvfp4_ds_mla", 4, 1, True),
+                                        ("nvfp4_ds_mla", 128, 1, True), ("bf16", 4, 2, False), ("bf16", 128, 2, False),
+                                        ("bf16", 128, 2, True)):
         layout = formats.get(name).layout
-        tiles = MosaicAttentionTiles(copy_issuers=issuers, split_scores=slots == 1, k_slots=slots)
-        texts[name, issuers, slots] = jax.jit(lambda q, r, i, c: attention_op.sparse_mla_attention_mosaic(
+        tiles = MosaicAttentionTiles(copy_issuers=issuers, split_scores=split, k_slots=slots)
+        texts[name, issuers, slots, split] = jax.jit(lambda q, r, i, c: attention_op.sparse_mla_attention_mosaic(
             q, r, i, c, 0.04, layout=layout, config=tiles)).trace(
             sds((64, 64, 576), jnp.bfloat16), sds((4096, layout.record_bytes), jnp.uint8), sds((64, 2048), jnp.int32),
             sds((64,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-    for (name, _, _), text in texts.items():
+    for (name, *_), text in texts.items():
         kind = formats.get(name).layout.kind
         assert text.count("stablehlo.custom_call") == 1 and f"ckv_sparse_mla_attention_mgpu_{kind}" in text
     assert len(set(texts.values())) == len(texts)

@@ -252,7 +252,8 @@ ATTENTION_CONFIGS = [AttentionTiles(h, k, w, st) for h, k, w, st in
                      [(16, 32, 4, 1), (32, 32, 8, 1), (32, 64, 8, 1), (64, 32, 8, 1), (64, 64, 8, 1), (32, 32, 4, 2)]]
 MOSAIC_ATTENTION_CONFIGS = [MosaicAttentionTiles(copy_issuers=w, split_scores=split)
                             for w, split in ((4, False), (4, True), (128, False), (128, True))] + [
-    MosaicAttentionTiles(copy_issuers=w, split_scores=False, k_slots=2) for w in (4, 128)]  # two K tiles
+    MosaicAttentionTiles(copy_issuers=w, split_scores=split, k_slots=2) for w in (4, 128) for split in (False, True)] + [
+    MosaicAttentionTiles(copy_issuers=128, k_slots=2, compute_registers=r) for r in (216, 208, 200)]  # two K tiles
 SWEPT_ATTENTION = {"pallas_triton": ATTENTION_CONFIGS, "pallas_mosaic_gpu": MOSAIC_ATTENTION_CONFIGS}
 # the prefill shape of the attention goals: T query tokens with their own top-k over a gathered
 # fp8 workspace far above L2, at the head counts of TP 8 (16), TP 2 (64) and one GPU (128)

@@ -45,16 +45,19 @@ same SMEM whose rows are the tile's swizzled 128-byte rows (the swizzle depends 
 alone; a copy into one row of the tiled view would cut its 8-row tiles), masked entries copying a
 row of zeros; with per-thread copies, each 16-byte chunk to its swizzled place.  Without the raw
 slot two K tiles fit beside Q (`k_slots=2`) once the token's indices pass through a ring of two
-tiles instead of SMEM whole, so the copies of tile i + 1 run during tile i's products; they leave
-no SMEM for split scores.
+tiles instead of SMEM whole, so the copies of tile i + 1 run during tile i's products.  Split
+scores' exchange does not fit beside them and all of Q: there each compute warpgroup holds Q's
+RoPE columns in registers (bf16[64, 64], 16 registers a thread; they arrive through the exchange's
+SMEM, which the softmax weights then reuse), and its RoPE scores are a wgmma with A in registers.
 
-Where it stands (BENCHMARKS.md; T = 4,096, top-k 2,048, 262K records, device timeline): 291 TFLOP/s
-on bf16 at 64 heads (292 at 128) with two K tiles filled by per-thread copies, against 172 with
-four issuing warps: 576 bulk copies a tile, each with its own barrier arrival, were the bound.
-175 on fp8 converted by the memory warpgroup (below) and 159 on nvfp4 (160 at 128 heads), where
-per-thread copies alone change nothing: its time is the compute warpgroups' conversion.  The
-history of the fp8 kernel with one raw slot: ncu had both compute warpgroups spilling
-(16M local-memory requests at T = 256) and 46% of the SMEM wavefronts excessive; then no
+Where it stands (BENCHMARKS.md; T = 4,096, top-k 2,048, 262K records, device timeline, 64 heads):
+bf16 331.7 TFLOP/s with split scores over two K tiles filled by per-thread copies (276.5 with
+every score in both compute warpgroups in the same run; 172 with four issuing warps, where 576
+bulk copies a tile, each with its own barrier arrival, were the bound); fp8 222.0 converted by
+the memory warpgroup (below; 152.2 without split scores in the same run); nvfp4 159 (160 at 128
+heads), where per-thread copies alone change nothing: its time is the compute warpgroups'
+conversion.  The history of the fp8 kernel with one raw slot: ncu had both compute warpgroups
+spilling (16M local-memory requests at T = 256) and 46% of the SMEM wavefronts excessive; then no
 tile-shaped scale or mask array was held across the wgmmas (124 TFLOP/s, spills halved), the raw
 rows were padded off one SMEM bank (excessive wavefronts 1%), and `split_scores` gave each
 compute warpgroup half of the tile's entries: half the score wgmmas and exponentials, the row
@@ -64,15 +67,18 @@ holds 64): 35.9 TFLOP/s at 16.  What bf16's two tiles gained is what fp8 and nvf
 converting between the products, not beside them.
 
 fp8 records converted by the memory warpgroup (`copy_issuers=128`, `k_slots=2`, compiled; the
-default): its threads load their chunks of each row into registers (the thread mapping of the
-per-thread copies), convert the e4m3 bytes to bf16 (exact: e4m3 -> f16 -> f32 -> bf16, inline PTX)
-and store them at their swizzled places in one of two K tiles, the RoPE as it is and the tile
-scales into a table per K tile; the compute warpgroups only wait, score and accumulate.  174.6
-TFLOP/s at 64 heads against 146.7 with the compute warpgroups converting (split scores), 165 at
-decode against 139.  nvfp4 still converts in the compute warpgroups (159).  What bounds it
-(BENCHMARKS.md, variants with the rows staged in SMEM by `cp.async` first): 169 as such, 194 with
-one score chain (tile scales ignored), 268 with the records copied but not converted; so the
-memory warpgroup's conversion loop is fp8's first limit, the exact five-part scores its second.
+default, with split scores and `compute_registers=208`): its threads load their chunks of each
+row into registers (the thread mapping of the per-thread copies), convert the e4m3 bytes to bf16
+(exact: e4m3 -> f16 -> f32 -> bf16, inline PTX) and store them at their swizzled places in one of
+two K tiles, the RoPE as it is and the tile scales into a table per K tile; the compute
+warpgroups only wait, score and accumulate.  Before
+split scores fitted beside two K tiles, this ran at 174.6 TFLOP/s (146.7 with the compute
+warpgroups converting), and variants showed the memory warpgroup's conversion loop as fp8's first
+limit: 268 with the records copied but not converted.  That loop's loads wait on memory with few
+of them in flight at 40 registers a thread; split scores need fewer registers in the compute
+warpgroups, and at 208 each (the memory warpgroup 88) fp8 runs at 222.0: 159.3 at 232, 192.2 at
+224, 215.3 at 216, 210.7 at 200, 187.6 at 192 (all exact, one run each).  nvfp4 still converts in
+the compute warpgroups (159).
 
 Interpret mode (CPU tests) runs the same pipeline, copies, barriers and masks; it has no register
 layouts, tiles or swizzles, and its wgmma takes neither a transposed operand nor an accumulator
@@ -128,6 +134,10 @@ NVFP4_CONVERT_BYTES = 64
 # so the eight rows a warp reads at once in the WGMMA layout hit one bank; 16 bytes (four banks)
 # more per row spread them over all 32
 ROW_PAD_BYTES = 16
+# What setmaxnreg shares among a thread of each warpgroup: the CTA launches with 168 registers a
+# thread (65,536 over its 384 threads, in steps of 8), 3 x 168 in all; and its smallest count
+REGISTER_BUDGET = 504
+MIN_REGISTERS = 24
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -142,16 +152,21 @@ class MosaicAttentionTiles:
     copy_issuers: int = WARPS_PER_WARPGROUP
     # True: each compute warpgroup computes the scores of its half of the tile's entries, the row
     # maxima and the bf16 softmax weights exchanged through SMEM (half the score wgmmas and
-    # exponentials, half the score registers; 147.6 against 123.8 TFLOP/s at 64 heads on the
-    # H200); False: each computes every score of the tile (and the whole softmax)
+    # exponentials, half the score registers; on the H200 at 64 heads, fp8 with one raw slot 147.6
+    # against 123.8 TFLOP/s, with two K tiles 222.0 against 152.2); False: each computes every
+    # score of the tile (and the whole softmax)
     split_scores: bool = True
     # K tiles in flight where the memory warpgroup fills them: bf16 records (copied straight in)
     # and, compiled with copy_issuers=128, fp8 records (converted there,
-    # `converts_in_memory_warpgroup`).  2: the next tile is filled during this one's products;
-    # the SMEM of two 64-row tiles leaves none for split scores' exchange, so 2 takes
-    # split_scores=False.  Otherwise (nvfp4; fp8 with bulk copies or interpreted) the records go
-    # through one raw slot, converted by the compute warpgroups into one K tile, whatever this says.
+    # `converts_in_memory_warpgroup`).  2: the next tile is filled during this one's products.
+    # With split scores the SMEM of two 64-row tiles leaves no room for Q's RoPE columns beside
+    # the exchange: each compute warpgroup then holds them in registers (`rope_in_registers`).
+    # Otherwise (nvfp4; fp8 with bulk copies or interpreted) the records go through one raw slot,
+    # converted by the compute warpgroups into one K tile, whatever this says.
     k_slots: int = 1
+    # setmaxnreg of each compute warpgroup; the memory warpgroup gets what is left of the SM's
+    # registers (REGISTER_BUDGET - 2 * compute_registers a thread: 40 with the default 232)
+    compute_registers: int = 232
 
     def __post_init__(self):
         selection.check_power_of_two_fields(self, ("block_k",))
@@ -163,6 +178,15 @@ class MosaicAttentionTiles:
             raise ValueError(f"copy_issuers: expected one of {COPY_ISSUERS}, got {self.copy_issuers}")
         if not isinstance(self.split_scores, bool):
             raise TypeError(f"split_scores: expected a bool, got {self.split_scores!r}")
+        most = (REGISTER_BUDGET - MIN_REGISTERS) // 2
+        if not (isinstance(self.compute_registers, int) and self.compute_registers % 8 == 0
+                and MIN_REGISTERS <= self.compute_registers <= most):
+            raise ValueError(f"compute_registers: expected a multiple of 8 in [{MIN_REGISTERS}, {most}] (the memory "
+                             f"warpgroup keeps at least {MIN_REGISTERS}), got {self.compute_registers!r}")
+
+    @property
+    def memory_registers(self) -> int:
+        return REGISTER_BUDGET - 2 * self.compute_registers
 
 
 def copies_into_k(layout: RecordLayout) -> bool:
@@ -178,13 +202,16 @@ def top_k_fits(layout: RecordLayout, top_k: int) -> bool:
 
 
 def default_tiles(layout: RecordLayout) -> MosaicAttentionTiles:
-    """The measured best config for `layout` (BENCHMARKS.md, H200, 64 heads): two K tiles in
-    flight, filled by the memory warpgroup's threads, for bf16 (copied: 284 TFLOP/s against 172
-    with four issuing warps) and fp8 (converted there: 174.6 against 146.7 with split scores and
-    the compute warpgroups converting); they leave no SMEM for split scores.  nvfp4: split scores
-    and four copy issuers (its time is the compute warpgroups' conversion)."""
-    if copies_into_k(layout) or layout.kind == "fp8_tiles":
-        return MosaicAttentionTiles(copy_issuers=LANES, split_scores=False, k_slots=2)
+    """The measured best config for `layout` (BENCHMARKS.md, H200, 64 heads): split scores over
+    two K tiles in flight, filled by the memory warpgroup's threads, for bf16 (copied: 331.7
+    TFLOP/s against 276.5 computing every score in both compute warpgroups) and fp8 (converted
+    there: 222.0 against 152.2, with 208 registers a compute thread, which leaves the memory
+    warpgroup 88 for its loads in flight: 215.3 at 216, 210.7 at 200).  nvfp4: split scores and
+    four copy issuers through one raw slot (its time is the compute warpgroups' conversion)."""
+    if copies_into_k(layout):
+        return MosaicAttentionTiles(copy_issuers=LANES, k_slots=2)
+    if layout.kind == "fp8_tiles":
+        return MosaicAttentionTiles(copy_issuers=LANES, k_slots=2, compute_registers=208)
     return MosaicAttentionTiles()
 
 
@@ -197,9 +224,9 @@ def _bf16_row_of(slot, j, chunk, block_k):
 
 
 def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, zero_row, out_ref, lse_ref,
-            q_smem, idx_smem, raw, k_views, exchange, lane_bars, loaded, raw_bars, tile_syncs, slot_free, idx_bars, *,
-            kind, copies, segments, num_records, record_bytes, top_k, block_k, slots, issuers, converted, split,
-            interpret):
+            q_smem, idx_smem, raw, k_views, exchange, lane_bars, q_loaded, idx_loaded, raw_bars, tile_syncs, slot_free,
+            idx_bars, *, kind, copies, segments, num_records, record_bytes, top_k, block_k, slots, issuers, converted,
+            split, rope_in_registers, registers, interpret):
     # idx_ref: i32[T, top_k]; count_ref: i32[T]; scale_ref: f32[1]; q_ref: bf16[T, H_pad, 576]
     # (nvfp4: the NoPE's even elements, then its odd ones)
     # rec_u8 / rec_scales / rec_bf16: the records u8[N, R], viewed as u8, as f32 (fp8: its tile
@@ -207,7 +234,8 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
     # width) in each view) of the three copies of a row: NoPE, the COPY_GRANULE bytes from the
     # scales on, RoPE (fp8, nvfp4); zero_row: bf16[1, 576] of zeros (bf16: masked entries' rows)
     # out_ref: [T, H_pad, 512] (bf16 or f32; nvfp4: even elements, then odd); lse_ref: f32[T, H_pad]
-    # q_smem: bf16[64, 576] (swizzled); idx_smem: i32[top_k], the token's index row (bf16: a ring
+    # q_smem: bf16[64, 576] (swizzled; `rope_in_registers`: bf16[64, 512], the RoPE columns
+    # arriving in p_smem and held in registers); idx_smem: i32[top_k], the token's index row (bf16: a ring
     # i32[slots, block_k] of the tiles' indices, copied in turn, so that two K tiles fit SMEM)
     # raw (fp8, nvfp4; bf16: empty): nope_raw u8[block_k, NoPE bytes + pad], scale_raw fp8
     # f32[block_k, 32 + pad] (scales in columns 0-3) or nvfp4 u8[block_k, 128 + pad] (scales in
@@ -215,11 +243,14 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
     # k_views: (k_smem,) bf16[block_k, 576] (swizzled); bf16: k_smem bf16[slots, block_k, 576]
     # (swizzled) and, compiled, k_rows bf16[slots * block_k * 9, 64], the same bytes seen as
     # swizzled 128-byte rows, each the target of one row's 64 columns (`_bf16_row_of`);
-    # exchange: scales_smem f32[4, block_k] (fp8 only); with split scores: p_smem bf16[64, block_k + pad] (the softmax
-    # weights of both halves), maxes_smem f32[2, 64] (each half's row maxima), stats_smem f32[6, 64]
-    # (each warpgroup's sums, NaN and entry flags at the end)
+    # exchange: scales_smem f32[4, block_k] (fp8 only); with split scores: p_smem bf16[64,
+    # block_k + pad] (the softmax weights of both halves; `rope_in_registers`: bf16[64, block_k]
+    # in [8, 32] tiles, 64-byte swizzle, each half one column of tiles, first Q's RoPE columns),
+    # maxes_smem f32[2, 64] (each half's row maxima), stats_smem f32[6, 64] (each warpgroup's
+    # sums, NaN and entry flags at the end)
     # lane_bars: i32[slots, 2], an mbarrier per slot for the copies of copy_issuers=128 (compiled)
-    # loaded: barriers[2] (q, the index row); raw_bars: barriers[slots * per_slot] of the tile's
+    # q_loaded, idx_loaded: a barrier each (Q, in one or two copies; the index row);
+    # raw_bars: barriers[slots * per_slot] of the tile's
     # record copies (row j of slot s on barrier s * per_slot + j % per_slot, per_slot 4 with four
     # issuing warps, else 1); slot_free:
     # barriers[slots] (bf16: both compute warpgroups are done with the slot); idx_bars:
@@ -228,7 +259,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
     # row maxima, their softmax weights, their final sums)
     plgpu = compat.plgpu
     t, hb, wg = lax.axis_index("t"), lax.axis_index("hb"), lax.axis_index("wg")
-    q_bar, idx_bar = loaded.at[0], loaded.at[1]
+    q_bar, idx_bar = compat.barrier_at(q_loaded, 0), compat.barrier_at(idx_loaded, 0)
     consumed_bar, k_ready, k_free, max_ready, p_ready, stats_ready = (tile_syncs.at[i] for i in range(6))
     num_keys = block_k // 2 if split else block_k      # the score columns of one compute warpgroup
     count = jnp.clip(count_ref[t], 0, top_k)
@@ -289,17 +320,20 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
             plgpu.wgmma(acc_ref, a, b_ref)
         return pl.run_state(into)(plgpu.ACC.init(acc))
 
-    def scores_of(a_ref, b_ref):
-        """a_ref @ b_ref.T in float32: a wgmma with the transposed K tile (interpret mode, whose
-        wgmma takes no transposed operand: a float32 dot)."""
+    def scores_of(*products):
+        """The sum of a @ b_ref.T over products (a, b_ref) in float32, a a bf16[64, n] SMEM ref
+        or register array (WGMMA layout), b_ref [keys, n] of a K tile: wgmmas into one accumulator
+        with the transposed K tile (interpret mode, whose wgmma takes no transposed operand:
+        float32 dots)."""
         if interpret:
-            return lax.dot_general(a_ref[...], b_ref[...], (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+            return sum(lax.dot_general(a if isinstance(a, jax.Array) else a[...], b_ref[...], (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32) for a, b_ref in products)
 
         def body(acc_ref):
-            plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
+            for a, b_ref in products:
+                plgpu.wgmma(acc_ref, a, b_ref.transpose((1, 0)))
             return acc_ref[...]
-        return pl.run_scoped(body, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
+        return pl.run_scoped(body, plgpu.ACC((HEADS_PER_CTA, products[0][1].shape[0]), jnp.float32))
 
     def entry_ok(pos, row):
         return (pos < count) & (row >= 0) & (row < num_records)
@@ -311,7 +345,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
 
     @pl.when(wg == 2)
     def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(REGISTER_BUDGET - 2 * registers, action="decrease")
         if not filled:
             plgpu.copy_gmem_to_smem(idx_ref.at[t], idx_smem, idx_bar, oob_mode=in_bounds)
             plgpu.barrier_wait(idx_bar)
@@ -531,12 +565,19 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                 plgpu.barrier_wait(consumed_bar)
 
     def compute(w):
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(registers, action="increase")
         if w == 0:
-            plgpu.copy_gmem_to_smem(q_ref.at[t, heads], q_smem, q_bar)
+            if rope_in_registers:
+                plgpu.copy_gmem_to_smem(q_ref.at[t, heads, pl.ds(0, NOPE_DIM)], q_smem, q_bar)
+                plgpu.copy_gmem_to_smem(q_ref.at[t, heads, pl.ds(NOPE_DIM, ROPE_DIM)], p_smem, q_bar)
+            else:
+                plgpu.copy_gmem_to_smem(q_ref.at[t, heads], q_smem, q_bar)
         if not filled:
             plgpu.barrier_wait(idx_bar)
         plgpu.barrier_wait(q_bar)
+        # bf16[64, 64]: read by both before either writes its first softmax weights into p_smem
+        # (after the first tile's exchange of row maxima, which waits for both)
+        q_rope = load(p_smem, plgpu.Layout.WGMMA) if rope_in_registers else None
         sm_scale = scale_ref[0]
         wgmma = plgpu.Layout.WGMMA
         rows_of = wgmma.reduce(1)          # a value per row: per head of the scores, per entry of K
@@ -625,8 +666,11 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
             first_key = w * num_keys if split else 0
             keys = pl.ds(first_key, num_keys)
 
-            def scores(cols):
-                return scores_of(q_smem.at[:, cols], k_cur.at[keys, cols])
+            def from_smem(cols):
+                return q_smem.at[:, cols], k_cur.at[keys, cols]
+
+            rope_cols = pl.ds(NOPE_DIM, ROPE_DIM)
+            rope = (q_rope, k_cur.at[keys, rope_cols]) if rope_in_registers else from_smem(rope_cols)
 
             def part_scale(p, columns):
                 row = lax.rem(i, slots) * NUM_PARTS + p if converted else p     # converted: a table per slot
@@ -634,11 +678,13 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                                             (HEADS_PER_CTA, columns.size), (1,))
 
             if kind == "fp8_tiles":
-                s = scores(pl.ds(NOPE_DIM, ROPE_DIM))
+                s = scores_of(rope)
                 for p in range(NUM_PARTS):
-                    s = s + scores(pl.ds(p * PART, PART)) * part_scale(p, keys)
-            else:                          # scales in K (nvfp4) or none: one product over all 576 columns
-                s = scores(pl.ds(0, NOPE_DIM + ROPE_DIM))
+                    s = s + scores_of(from_smem(pl.ds(p * PART, PART))) * part_scale(p, keys)
+            elif rope_in_registers:        # scales in K (nvfp4) or none: one sum over all 576 columns
+                s = scores_of(from_smem(pl.ds(0, NOPE_DIM)), rope)
+            else:
+                s = scores_of(from_smem(pl.ds(0, NOPE_DIM + ROPE_DIM)))
             s_rows = load(indices(i, first_key, num_keys), cols_of)
             s_pos = pos0 + first_key + iota((num_keys,), 0, cols_of)
             s_ok = lax.broadcast_in_dim(entry_ok(s_pos, s_rows), (HEADS_PER_CTA, num_keys), (1,))
@@ -659,7 +705,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
             if split:                      # both halves of the softmax weights, through SMEM (bf16)
                 p_smem[:, keys] = p_.astype(jnp.bfloat16)
                 sync(p_ready)
-                p_ = load(p_smem.at[:, pl.ds(0, block_k)], wgmma).astype(jnp.float32)
+                p_ = load(p_smem if rope_in_registers else p_smem.at[:, pl.ds(0, block_k)], wgmma).astype(jnp.float32)
             new_accs = []
             shared_weights = None if kind == "fp8_tiles" else p_.astype(jnp.bfloat16)
             for acc, p in zip(accs, own):
@@ -793,10 +839,9 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
     block_k = config.block_k
     converted = converts_in_memory_warpgroup(layout, config, interpret)
     slots = config.k_slots if fills_k_tiles(layout, config, interpret) else 1
-    if slots > 1 and config.split_scores:
-        # measured: 236,656 bytes of SMEM against the H200's 232,448 (the exchange of split
-        # scores, 9 KB, beside two K tiles and Q)
-        raise ValueError(f"config: {slots} K slots leave no shared memory for split scores; got {config}")
+    # two K tiles, Q and split scores' exchange took 236,656 bytes of SMEM against the H200's
+    # 232,448: Q's RoPE columns (8 KB) move into registers
+    rope_in_registers = slots > 1 and config.split_scores
     hp = -(-h // HEADS_PER_CTA) * HEADS_PER_CTA
     k = max(indices.shape[1], 1)
     kp = -(-k // block_k) * block_k
@@ -839,17 +884,24 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
     kernel = functools.partial(_kernel, kind=layout.kind, copies=copies, segments=lane_segments(layout),
                                num_records=n, record_bytes=layout.record_bytes, top_k=kp, block_k=block_k,
                                slots=slots, issuers=issuers, converted=converted, split=split,
+                               rope_in_registers=rope_in_registers, registers=config.compute_registers,
                                interpret=bool(interpret))
     # the tile scales (fp8) and the exchange of split scores, minimal where unused (and then one
     # allocation: each is aligned on its own)
+    if rope_in_registers:   # Q's RoPE arrives there; each half of the weights is a column of tiles
+        p_smem = plgpu.SMEM((HEADS_PER_CTA, block_k), jnp.bfloat16,
+                            transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64)))
+    else:
+        p_smem = plgpu.SMEM((HEADS_PER_CTA, block_k + ROW_PAD_BYTES // 2) if split else (8, 8), jnp.bfloat16)
     exchange = (plgpu.SMEM((slots * NUM_PARTS, block_k) if layout.kind == "fp8_tiles" else (1, 8), jnp.float32),
-                plgpu.SMEM((HEADS_PER_CTA, block_k + ROW_PAD_BYTES // 2) if split else (8, 8), jnp.bfloat16),
+                p_smem,
                 plgpu.SMEM((2, HEADS_PER_CTA) if split else (1, 8), jnp.float32),
                 plgpu.SMEM((6, HEADS_PER_CTA) if split else (1, 8), jnp.float32))
     if direct and not split:
         exchange = plgpu.RefUnion(*exchange)     # unused: aliased
     smem = [
-        plgpu.SMEM((HEADS_PER_CTA, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),
+        plgpu.SMEM((HEADS_PER_CTA, NOPE_DIM if rope_in_registers else NOPE_DIM + ROPE_DIM), jnp.bfloat16,
+                   transforms=swizzled),
         plgpu.SMEM((slots, block_k) if fills_k_tiles(layout, config, interpret) else (kp,), jnp.int32),
         raw,
         k_views,
@@ -862,7 +914,8 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
         out_type=(jax.ShapeDtypeStruct((t, hp, NOPE_DIM), out_dtype), jax.ShapeDtypeStruct((t, hp), jnp.float32)),
         grid=(t, hp // HEADS_PER_CTA), grid_names=("t", "hb"), num_threads=3, thread_name="wg",
         scratch_types=smem + [
-            plgpu.Barrier(num_arrivals=1, num_barriers=2),
+            plgpu.Barrier(num_arrivals=2 if rope_in_registers else 1, num_barriers=1),     # Q's copies
+            plgpu.Barrier(num_arrivals=1, num_barriers=1),
             plgpu.Barrier(num_arrivals=copies_per_row * block_k // per_slot, num_barriers=slots * per_slot),
             plgpu.Barrier(num_arrivals=2, num_barriers=6),
             plgpu.Barrier(num_arrivals=2, num_barriers=slots),
