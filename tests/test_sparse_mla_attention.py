@@ -343,20 +343,23 @@ def test_the_xla_implementation_bounds_its_temporaries():
 
 
 @pytest.mark.parametrize("device, name, records_bytes, heads, top_k, interpret, chosen", [
-    (FakeDevice(), "fp8_ds_mla", 1 << 30, 16, 2048, False, "pallas_triton"),
+    (FakeDevice(), "fp8_ds_mla", 1 << 30, 8, 2048, False, "pallas_triton"),
+    (FakeDevice(), "bf16", 1 << 30, 8, 2048, False, "pallas_triton"),
     (FakeDevice(), "nvfp4_ds_mla", 1 << 30, 16, 2048, False, "pallas_triton"),
     # Triton cannot address a u8 buffer of 2-4 GiB: the Mosaic GPU kernel where it reads the records
-    (FakeDevice(), "fp8_ds_mla", 3 << 30, 16, 2048, False, "pallas_mosaic_gpu"),
-    (FakeDevice(), "bf16", 3 << 30, 16, 2048, False, "pallas_mosaic_gpu"),
+    (FakeDevice(), "fp8_ds_mla", 3 << 30, 8, 2048, False, "pallas_mosaic_gpu"),
+    (FakeDevice(), "bf16", 3 << 30, 8, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(compute_capability="8.0"), "fp8_ds_mla", 3 << 30, 16, 2048, False, "xla"),
-    (FakeDevice(), "fp8_ds_mla", 5 << 30, 16, 2048, False, "pallas_triton"),
+    (FakeDevice(), "nvfp4_ds_mla", 5 << 30, 16, 2048, False, "pallas_triton"),
     (FakeDevice(platform="cpu"), "fp8_ds_mla", 1 << 30, 16, 2048, False, "xla"),
     (FakeDevice(platform="cpu"), "fp8_ds_mla", 1 << 20, 16, 2048, True, "pallas_triton"),
-    # from MOSAIC_FIRST_HEADS heads on, compiled on a GPU, the Mosaic GPU kernel first where it
-    # runs; the next of the default order where it does not
+    # from MOSAIC_FIRST_HEADS heads on (16 for fp8 and bf16, 64 for nvfp4), compiled on a GPU,
+    # the Mosaic GPU kernel first where it runs; the next of the default order where it does not
+    (FakeDevice(), "fp8_ds_mla", 1 << 30, 16, 2048, False, "pallas_mosaic_gpu"),
+    (FakeDevice(), "bf16", 1 << 30, 16, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(), "fp8_ds_mla", 1 << 30, 64, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(), "fp8_ds_mla", 1 << 30, 128, 2048, False, "pallas_mosaic_gpu"),
-    (FakeDevice(), "fp8_ds_mla", 1 << 30, 32, 2048, False, "pallas_triton"),
+    (FakeDevice(), "nvfp4_ds_mla", 1 << 30, 32, 2048, False, "pallas_triton"),
     (FakeDevice(), "nvfp4_ds_mla", 1 << 30, 64, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(), "bf16", 1 << 30, 64, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(), "fp8_ds_mla", 1 << 30, 64, 8192, False, "pallas_triton"),       # a top-k past its SMEM

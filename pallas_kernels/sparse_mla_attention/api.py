@@ -6,14 +6,16 @@ record formats, SM90+, interpret mode on CPU) and ``"xla"`` (the reference block
 query tokens, any backend).  `implementation=None` takes the measured order for the device and size
 (`pallas_kernels.tuning`, op "sparse_mla_attention"; no device kind has one yet), else
 DEFAULT_ORDER: a kernel wherever one runs compiled (a GPU; the Mosaic GPU kernel only for
-the records it reads), XLA elsewhere.  Triton comes first: at 16 heads it is the faster of the
-two on fp8 records (on the H200, one run: 46.6 against 30.2 TFLOP/s; the Mosaic kernel's split
-scores reached 35.9 in another).  From MOSAIC_FIRST_HEADS heads a call on, compiled on a GPU, the
-Mosaic GPU kernel comes first (64 heads: 175 against 86 TFLOP/s on fp8, 159 against 73 on nvfp4,
-291 against 122 on bf16; BENCHMARKS.md): its CTA always computes 64 heads, so its time does not
-fall with fewer, while Triton's does.  The work a measured table is keyed by (FLOPs) does not
-tell these apart (a decode step of 128 heads has less work than a prefill chunk of 16), so the
-head count decides, and a measured order still comes first.
+the records it reads), XLA elsewhere.  Triton comes first below MOSAIC_FIRST_HEADS heads of the
+records' format; from there on, compiled on a GPU, the Mosaic GPU kernel does.  Its CTA always
+computes 64 heads, so its time does not fall with fewer heads while Triton's does: on the H200
+(BENCHMARKS.md, T = 4,096, top-k 2,048), fp8 runs at 222 against Triton's 85 TFLOP/s at 64 heads
+and 53.6 against 46.0 at 16 (the same 5.6 ms a call at 16, 32 and 64 heads), bf16 at 324 against
+120 and 80.4 against 57.4, so both come first from 16 heads (fewer were not measured); nvfp4,
+which the Mosaic kernel converts between its products, 159 against 73 at 64 heads and was not
+measured below, so from 64.  The work a measured table is keyed by (FLOPs) does not tell these
+apart (a decode step of 128 heads has less work than a prefill chunk of 16), so the head count
+decides, and a measured order still comes first.
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ from pallas_kernels.sparse_mla_attention.pallas_triton import AttentionTiles
 from pallas_kernels.sparse_mla_attention.reference import attention_blocked
 
 DEFAULT_ORDER = ("pallas_triton", "pallas_mosaic_gpu", "xla")
-# the order from this many heads a call on (32 heads was not measured)
-MOSAIC_FIRST_HEADS = 64
+# the Mosaic GPU kernel first from this many heads a call on, by record layout kind
+MOSAIC_FIRST_HEADS = {"fp8_tiles": 16, "bf16": 16, "nvfp4_groups": 64}
 MANY_HEADS_ORDER = ("pallas_mosaic_gpu", "pallas_triton", "xla")
 
 
@@ -101,9 +103,9 @@ def select(implementation: str | Sequence[str] | None, device: jax.Device, layou
     """The implementation (and tiles) `sparse_mla_attention` runs for these records and this
     shape on `device`; the Mosaic GPU kernel is left out of the automatic order for records it
     does not read, and comes first (compiled on a GPU, without a measured order) from
-    MOSAIC_FIRST_HEADS heads on where a token's top-k fits its SMEM."""
+    MOSAIC_FIRST_HEADS[layout.kind] heads on where a token's top-k fits its SMEM."""
     skip = tuple(name for name in SPARSE_MLA_ATTENTION.names if name not in reading(layout))
-    many_heads = (num_heads >= MOSAIC_FIRST_HEADS and "pallas_mosaic_gpu" not in skip
+    many_heads = ("pallas_mosaic_gpu" not in skip and num_heads >= MOSAIC_FIRST_HEADS[layout.kind]
                   and pallas_mosaic_gpu.top_k_fits(layout, top_k) and compat.on_gpu(device) and not interpret)
     return SPARSE_MLA_ATTENTION.select(implementation, device, records_bytes, flops(num_tokens, num_heads, top_k, layout),
                                        interpret=interpret, config=config, skip=skip,
