@@ -296,7 +296,8 @@ def test_the_mosaic_kernel_names_what_it_does_not_read():
 def test_the_mosaic_kernel_lowers_for_cuda():
     """Every copy issuer lowers for CUDA (the four-warp and the per-thread ones run on a GPU only:
     the interpreter has no warp-level scopes or inline PTX), to different kernels; so does every
-    format, bf16 with two K tiles and per-thread copies too."""
+    format, bf16 with two K tiles and per-thread copies too, and both with split scores beside two
+    K tiles."""
     sds = jax.ShapeDtypeStruct
     texts = {}
     for name, issuers, slots, split in ((MOSAIC, 1, 1, True), (MOSAIC, 4, 1, True), (MOSAIC, 128, 1, True),
