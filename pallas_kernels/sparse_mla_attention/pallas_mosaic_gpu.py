@@ -226,7 +226,7 @@ def _bf16_row_of(slot, j, chunk, block_k):
 def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, zero_row, out_ref, lse_ref,
             q_smem, idx_smem, raw, k_views, exchange, lane_bars, q_loaded, idx_loaded, raw_bars, tile_syncs, slot_free,
             idx_bars, *, kind, copies, segments, num_records, record_bytes, top_k, block_k, slots, issuers, converted,
-            split, rope_in_registers, registers, interpret):
+            split, rope_in_registers, compute_registers, memory_registers, interpret):
     # idx_ref: i32[T, top_k]; count_ref: i32[T]; scale_ref: f32[1]; q_ref: bf16[T, H_pad, 576]
     # (nvfp4: the NoPE's even elements, then its odd ones)
     # rec_u8 / rec_scales / rec_bf16: the records u8[N, R], viewed as u8, as f32 (fp8: its tile
@@ -345,7 +345,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
 
     @pl.when(wg == 2)
     def _memory():
-        plgpu.set_max_registers(REGISTER_BUDGET - 2 * registers, action="decrease")
+        plgpu.set_max_registers(memory_registers, action="decrease")
         if not filled:
             plgpu.copy_gmem_to_smem(idx_ref.at[t], idx_smem, idx_bar, oob_mode=in_bounds)
             plgpu.barrier_wait(idx_bar)
@@ -565,7 +565,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                 plgpu.barrier_wait(consumed_bar)
 
     def compute(w):
-        plgpu.set_max_registers(registers, action="increase")
+        plgpu.set_max_registers(compute_registers, action="increase")
         if w == 0:
             if rope_in_registers:
                 plgpu.copy_gmem_to_smem(q_ref.at[t, heads, pl.ds(0, NOPE_DIM)], q_smem, q_bar)
@@ -884,7 +884,8 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
     kernel = functools.partial(_kernel, kind=layout.kind, copies=copies, segments=lane_segments(layout),
                                num_records=n, record_bytes=layout.record_bytes, top_k=kp, block_k=block_k,
                                slots=slots, issuers=issuers, converted=converted, split=split,
-                               rope_in_registers=rope_in_registers, registers=config.compute_registers,
+                               rope_in_registers=rope_in_registers, compute_registers=config.compute_registers,
+                               memory_registers=config.memory_registers,
                                interpret=bool(interpret))
     # the tile scales (fp8) and the exchange of split scores, minimal where unused (and then one
     # allocation: each is aligned on its own)
