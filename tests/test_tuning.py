@@ -330,3 +330,22 @@ def test_result_fields_and_report_with_and_without_a_device_time(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-2].split()[7:9] == ["1000.0", "90"] and lines[-1].split()[7:9] == ["-", "-"]   # after the mode column
     assert timing_mod.fastest([None, timing_mod.Timing(3.0, None), timing_mod.Timing(2.0, 5.0)]) == (2.0, 5.0)
+
+
+def test_the_sweep_takes_mosaic_attention_configs_from_the_command_line(monkeypatch, capsys):
+    """`--mosaic-configs`: ';'-separated field=value lists, integers and flags; a field the config
+    does not have, a value of neither kind or a config it rejects fail before anything runs."""
+    from pallas_kernels.sparse_mla_attention import MosaicAttentionTiles
+    configs = tune.parse_mosaic_configs("copy_issuers=128, k_slots=2,compute_registers=208 ;split_scores=False;")
+    assert configs == [MosaicAttentionTiles(copy_issuers=128, k_slots=2, compute_registers=208),
+                       MosaicAttentionTiles(split_scores=False)]
+    for text, message in (("k_slots=2,slots=2", "expected field=value with a field of block_k, "),
+                          ("k_slots", "got 'k_slots'"),
+                          ("compute_registers=two", "compute_registers: expected an integer, true or false, got 'two'"),
+                          (" ; ", "expected at least one config")):
+        with pytest.raises(ValueError, match=message):
+            tune.parse_mosaic_configs(text)
+    monkeypatch.setattr(tune, "SWEPT_ATTENTION", dict(tune.SWEPT_ATTENTION))
+    with pytest.raises(SystemExit):
+        tune.main(["--ops", "sparse_mla_attention", "--mosaic-configs", "compute_registers=236"])
+    assert "compute_registers: expected a multiple of 8" in capsys.readouterr().err

@@ -255,6 +255,32 @@ MOSAIC_ATTENTION_CONFIGS = [MosaicAttentionTiles(copy_issuers=w, split_scores=sp
     MosaicAttentionTiles(copy_issuers=w, split_scores=split, k_slots=2) for w in (4, 128) for split in (False, True)] + [
     MosaicAttentionTiles(copy_issuers=128, k_slots=2, compute_registers=r) for r in (216, 208, 200)]  # two K tiles
 SWEPT_ATTENTION = {"pallas_triton": ATTENTION_CONFIGS, "pallas_mosaic_gpu": MOSAIC_ATTENTION_CONFIGS}
+
+
+def parse_mosaic_configs(text: str) -> list[MosaicAttentionTiles]:
+    """`--mosaic-configs`: configs separated by ';', each 'field=value,...' of MosaicAttentionTiles
+    (integers; true / false for its flags), e.g. 'copy_issuers=128,k_slots=2,compute_registers=208'."""
+    fields = {f.name: f.type for f in dataclasses.fields(MosaicAttentionTiles)}
+    configs = []
+    for spec in filter(None, (s.strip() for s in text.split(";"))):
+        kwargs = {}
+        for item in spec.split(","):
+            name, sep, value = (part.strip() for part in item.partition("="))
+            if not sep or name not in fields:
+                raise ValueError(f"--mosaic-configs: expected field=value with a field of {', '.join(fields)}, "
+                                 f"got {item!r}")
+            if value.lower() in ("true", "false"):
+                kwargs[name] = value.lower() == "true"
+            else:
+                try:
+                    kwargs[name] = int(value)
+                except ValueError:
+                    raise ValueError(f"--mosaic-configs: {name}: expected an integer, true or false, "
+                                     f"got {value!r}") from None
+        configs.append(MosaicAttentionTiles(**kwargs))
+    if not configs:
+        raise ValueError(f"--mosaic-configs: expected at least one config, got {text!r}")
+    return configs
 # the prefill shape of the attention goals: T query tokens with their own top-k over a gathered
 # fp8 workspace far above L2, at the head counts of TP 8 (16), TP 2 (64) and one GPU (128)
 ATTENTION_SHAPE = dict(tokens=4096, top_k=2048, rows=262144)
@@ -390,6 +416,9 @@ def main(argv=None) -> int:
                     help="sparse_mla_attention: query heads of the sweep (default %(default)s)")
     ap.add_argument("--implementations", default=None,
                     help="sparse_mla_attention: the implementations swept, comma-separated (default: all)")
+    ap.add_argument("--mosaic-configs", default=None, metavar="SPECS",
+                    help="sparse_mla_attention: sweep these Mosaic GPU configs instead of the built-in list, "
+                         "';'-separated 'field=value,...' (e.g. 'copy_issuers=128,k_slots=2,compute_registers=208')")
     ap.add_argument("--out", default="tune.json", help="the JSON results file")
     ap.add_argument("--table-from", nargs="+", metavar="JSON", default=None,
                     help="measure nothing: make the table from earlier sweeps' JSON files (times averaged)")
@@ -409,6 +438,11 @@ def main(argv=None) -> int:
         ap.error(f"--requests: expected at least 1, got {args.requests}")
     if args.implementations and not set(args.implementations.split(",")) <= set(SWEPT_ATTENTION):
         ap.error(f"--implementations: expected names of {', '.join(SWEPT_ATTENTION)}, got {args.implementations!r}")
+    if args.mosaic_configs is not None:
+        try:
+            SWEPT_ATTENTION["pallas_mosaic_gpu"] = parse_mosaic_configs(args.mosaic_configs)
+        except (ValueError, TypeError) as e:
+            ap.error(str(e))
     if jax.default_backend() != "gpu":
         print("the tuning sweep times compiled kernels: it needs a GPU", file=sys.stderr)
         return 2
