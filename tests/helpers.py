@@ -63,6 +63,27 @@ def nvfp4_every_code_and_scale():
     return records
 
 
+def fp8_every_code():
+    """u8[10, 656] fp8_ds_mla records: records 0 and 1 hold every finite e4m3 code (and zeros of
+    both signs) in opposite orders, so each code sits at an even and at an odd byte; records 2-9
+    one NaN code each (0x7F or 0xFF, at bytes 0, 1, 2, 3, 129, 258, 387 and 511: both bytes of a
+    pair, both pairs of a word, every 128-byte tile) among random finite codes.  Tile scales are
+    powers of two (the products stay exact in bf16); RoPE values random and finite."""
+    codes = np.arange(256, dtype=np.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F]                                     # 254 codes
+    rng = np.random.default_rng(8)
+    records = np.zeros((10, 656), np.uint8)
+    records[0, :512] = np.resize(finite, 512)
+    records[1, :512] = records[0, 511::-1]
+    records[2:, :512] = rng.choice(finite, (8, 512))
+    for r, at in enumerate((0, 1, 2, 3, 129, 258, 387, 511)):
+        records[2 + r, at] = (0x7F, 0xFF)[r % 2]
+    scales = np.float32(2.0) ** rng.integers(-8, 9, (10, 4)).astype(np.float32)
+    records[:, 512:528] = scales.view(np.uint8)
+    records[:, 528:] = rng.standard_normal((10, 64)).astype(ml_dtypes.bfloat16).view(np.uint8)
+    return records
+
+
 def fp8_division_tiles(rng, tiles=4096):
     """(x: f32[tiles, 128], scale: f32[tiles]): fp8 tiles whose quotients x / scale are hard to
     round.  Scales are those of tile maxima with exponents -149..127 (FLT_MIN clamps and scales

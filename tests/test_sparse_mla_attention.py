@@ -10,7 +10,7 @@ import pytest
 
 import ckv_jax
 import oracle
-from helpers import FakeDevice, nvfp4_every_code_and_scale
+from helpers import FakeDevice, fp8_every_code, nvfp4_every_code_and_scale
 from ckv_jax import formats, sparse_mla
 from pallas_kernels import sparse_mla_attention as attention_op
 from pallas_kernels.record_layout import RecordLayout
@@ -254,6 +254,28 @@ def test_the_mosaic_kernel_decodes_every_nvfp4_code_and_scale(kernel_mode):
     values = oracle.decode("nvfp4_ds_mla", records)[:, :512]
     nan_record = np.isnan(values).any(axis=1)
     assert nan_record.sum() == 4
+    out = np.asarray(out.astype(jnp.float32))
+    np.testing.assert_array_equal(np.isnan(np.asarray(lse)), np.broadcast_to(nan_record[:, None], (t, 16)))
+    assert np.isnan(out[nan_record]).all()
+    want = np.broadcast_to(values[~nan_record][:, None, :], out[~nan_record].shape)
+    np.testing.assert_array_equal(out[~nan_record], want.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_the_mosaic_kernel_decodes_every_fp8_code(kernel_mode):
+    """Token t selects only record t of `fp8_every_code` (every e4m3 code at both parities, NaN
+    codes at every place of a 16-byte chunk and in every tile; power-of-two tile scales), so its
+    output is that record's values exactly (a softmax weight of 1, exact products), and a NaN code
+    makes its row NaN.  Compiled, the default config: converted by the memory warpgroup."""
+    records = fp8_every_code()
+    t = records.shape[0]
+    q = jnp.asarray(np.random.default_rng(6).standard_normal((t, 16, 576)) * 0.01, jnp.bfloat16)
+    indices = jnp.asarray(np.arange(t, dtype=np.int32)[:, None])
+    out, lse = ckv_jax.sparse_mla_attention(q, jnp.asarray(records), indices, jnp.ones(t, jnp.int32), 0.05,
+                                            format=MOSAIC, implementation="pallas_mosaic_gpu",
+                                            interpret=kernel_mode == "interpret")
+    values = oracle.decode(MOSAIC, records)[:, :512]
+    nan_record = np.isnan(values).any(axis=1)
+    assert nan_record.tolist() == [False] * 2 + [True] * 8
     out = np.asarray(out.astype(jnp.float32))
     np.testing.assert_array_equal(np.isnan(np.asarray(lse)), np.broadcast_to(nan_record[:, None], (t, 16)))
     assert np.isnan(out[nan_record]).all()
