@@ -238,49 +238,47 @@ def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(name
 def test_the_mosaic_kernel_decodes_every_nvfp4_code_and_scale(kernel_mode):
     """Token t selects only record t of `nvfp4_every_code_and_scale` (every e2m1 code times every
     e4m3 scale byte, subnormal and NaN ones included, at both parities; random finite RoPE), so
-    its output is that
-    record's values exactly (a softmax weight of 1; the products are exact in bf16), and a NaN
-    scale makes its row NaN."""
+    its output is that record's values exactly and a NaN scale makes its row NaN
+    (`check_each_token_decodes_its_record`)."""
     records = nvfp4_every_code_and_scale()
     t = records.shape[0]
     rng = np.random.default_rng(5)
     # finite RoPE values instead of random bytes (a NaN or Inf there would poison its row too)
     records[:, 304:] = rng.standard_normal((t, 64)).astype(ml_dtypes.bfloat16).view(np.uint8)
     q = jnp.asarray(rng.standard_normal((t, 16, 576)) * 0.01, jnp.bfloat16)
-    indices = np.arange(t, dtype=np.int32)[:, None]
-    out, lse = ckv_jax.sparse_mla_attention(q, jnp.asarray(records), jnp.asarray(indices), jnp.ones(t, jnp.int32),
-                                            0.05, format="nvfp4_ds_mla", implementation="pallas_mosaic_gpu",
-                                            interpret=kernel_mode == "interpret")
-    values = oracle.decode("nvfp4_ds_mla", records)[:, :512]
-    nan_record = np.isnan(values).any(axis=1)
+    nan_record = check_each_token_decodes_its_record("nvfp4_ds_mla", records, q, kernel_mode)
     assert nan_record.sum() == 4
+
+
+def check_each_token_decodes_its_record(name, records, q, kernel_mode):
+    """The Mosaic kernel over `records` with token t of q selecting only record t: its output is
+    that record's values exactly (a softmax weight of 1; the products are exact in bf16), and its
+    row is NaN (lse and every output) exactly where the record holds a NaN.  Returns which do."""
+    t, heads = q.shape[:2]
+    indices = jnp.asarray(np.arange(t, dtype=np.int32)[:, None])
+    out, lse = ckv_jax.sparse_mla_attention(q, jnp.asarray(records), indices, jnp.ones(t, jnp.int32), 0.05,
+                                            format=name, implementation="pallas_mosaic_gpu",
+                                            interpret=kernel_mode == "interpret")
+    values = oracle.decode(name, records)[:, :512]
+    nan_record = np.isnan(values).any(axis=1)
     out = np.asarray(out.astype(jnp.float32))
-    np.testing.assert_array_equal(np.isnan(np.asarray(lse)), np.broadcast_to(nan_record[:, None], (t, 16)))
+    np.testing.assert_array_equal(np.isnan(np.asarray(lse)), np.broadcast_to(nan_record[:, None], (t, heads)))
     assert np.isnan(out[nan_record]).all()
     want = np.broadcast_to(values[~nan_record][:, None, :], out[~nan_record].shape)
     np.testing.assert_array_equal(out[~nan_record], want.astype(ml_dtypes.bfloat16).astype(np.float32))
+    return nan_record
 
 
 def test_the_mosaic_kernel_decodes_every_fp8_code(kernel_mode):
     """Token t selects only record t of `fp8_every_code` (every e4m3 code at both parities, NaN
     codes at every place of a 16-byte chunk and in every tile; power-of-two tile scales), so its
-    output is that record's values exactly (a softmax weight of 1, exact products), and a NaN code
-    makes its row NaN.  Compiled, the default config: converted by the memory warpgroup."""
+    output is that record's values exactly and a NaN code makes its row NaN
+    (`check_each_token_decodes_its_record`).  Compiled, the default config: converted by the
+    memory warpgroup."""
     records = fp8_every_code()
-    t = records.shape[0]
-    q = jnp.asarray(np.random.default_rng(6).standard_normal((t, 16, 576)) * 0.01, jnp.bfloat16)
-    indices = jnp.asarray(np.arange(t, dtype=np.int32)[:, None])
-    out, lse = ckv_jax.sparse_mla_attention(q, jnp.asarray(records), indices, jnp.ones(t, jnp.int32), 0.05,
-                                            format=MOSAIC, implementation="pallas_mosaic_gpu",
-                                            interpret=kernel_mode == "interpret")
-    values = oracle.decode(MOSAIC, records)[:, :512]
-    nan_record = np.isnan(values).any(axis=1)
+    q = jnp.asarray(np.random.default_rng(6).standard_normal((records.shape[0], 16, 576)) * 0.01, jnp.bfloat16)
+    nan_record = check_each_token_decodes_its_record(MOSAIC, records, q, kernel_mode)
     assert nan_record.tolist() == [False] * 2 + [True] * 8
-    out = np.asarray(out.astype(jnp.float32))
-    np.testing.assert_array_equal(np.isnan(np.asarray(lse)), np.broadcast_to(nan_record[:, None], (t, 16)))
-    assert np.isnan(out[nan_record]).all()
-    want = np.broadcast_to(values[~nan_record][:, None, :], out[~nan_record].shape)
-    np.testing.assert_array_equal(out[~nan_record], want.astype(ml_dtypes.bfloat16).astype(np.float32))
 
 
 def test_the_mosaic_kernel_names_what_it_does_not_read():
