@@ -332,7 +332,7 @@ def test_result_fields_and_report_with_and_without_a_device_time(capsys):
     assert timing_mod.fastest([None, timing_mod.Timing(3.0, None), timing_mod.Timing(2.0, 5.0)]) == (2.0, 5.0)
 
 
-def test_the_sweep_takes_mosaic_attention_configs_from_the_command_line(monkeypatch, capsys):
+def test_the_sweep_takes_mosaic_attention_configs_from_the_command_line(capsys):
     """`--mosaic-configs`: ';'-separated field=value lists, integers and flags; a field the config
     does not have, a value of neither kind or a config it rejects fail before anything runs."""
     from pallas_kernels.sparse_mla_attention import MosaicAttentionTiles
@@ -345,7 +345,6 @@ def test_the_sweep_takes_mosaic_attention_configs_from_the_command_line(monkeypa
                           (" ; ", "expected at least one config")):
         with pytest.raises(ValueError, match=message):
             tune.parse_mosaic_configs(text)
-    monkeypatch.setattr(tune, "SWEPT_ATTENTION", dict(tune.SWEPT_ATTENTION))
     with pytest.raises(SystemExit):
         tune.main(["--ops", "sparse_mla_attention", "--mosaic-configs", "compute_registers=236"])
     assert "compute_registers: expected a multiple of 8" in capsys.readouterr().err

@@ -260,7 +260,7 @@ SWEPT_ATTENTION = {"pallas_triton": ATTENTION_CONFIGS, "pallas_mosaic_gpu": MOSA
 def parse_mosaic_configs(text: str) -> list[MosaicAttentionTiles]:
     """`--mosaic-configs`: configs separated by ';', each 'field=value,...' of MosaicAttentionTiles
     (integers; true / false for its flags), e.g. 'copy_issuers=128,k_slots=2,compute_registers=208'."""
-    fields = {f.name: f.type for f in dataclasses.fields(MosaicAttentionTiles)}
+    fields = [f.name for f in dataclasses.fields(MosaicAttentionTiles)]
     configs = []
     for spec in filter(None, (s.strip() for s in text.split(";"))):
         kwargs = {}
@@ -281,16 +281,18 @@ def parse_mosaic_configs(text: str) -> list[MosaicAttentionTiles]:
     if not configs:
         raise ValueError(f"--mosaic-configs: expected at least one config, got {text!r}")
     return configs
+
+
 # the prefill shape of the attention goals: T query tokens with their own top-k over a gathered
 # fp8 workspace far above L2, at the head counts of TP 8 (16), TP 2 (64) and one GPU (128)
 ATTENTION_SHAPE = dict(tokens=4096, top_k=2048, rows=262144)
 ATTENTION_HEADS = (16, 64, 128)
 
 
-def sweep_attention(names, log, results, heads_list=ATTENTION_HEADS, implementations=None):
-    """Every tile config of the Pallas attention (of `implementations`, None: both), each checked
-    against the XLA implementation on the first inputs (`ckv_jax.benchmarks.attention`); the work
-    of a row is its FLOPs."""
+def sweep_attention(names, log, results, heads_list=ATTENTION_HEADS, implementations=None, swept=SWEPT_ATTENTION):
+    """Every tile config of the Pallas attention (swept: implementation -> configs; of
+    `implementations`, None: all), each checked against the XLA implementation on the first
+    inputs (`ckv_jax.benchmarks.attention`); the work of a row is its FLOPs."""
     from ckv_jax.benchmarks import attention as bench
     t, k, rows = ATTENTION_SHAPE["tokens"], ATTENTION_SHAPE["top_k"], ATTENTION_SHAPE["rows"]
     for name in names:
@@ -302,7 +304,7 @@ def sweep_attention(names, log, results, heads_list=ATTENTION_HEADS, implementat
             reference = sparse_mla_attention.attention_blocked(inputs[0][0], records, *inputs[0][1:], 576 ** -0.5,
                                                                layout=fmt.layout)
             attention_op = sparse_mla_attention.SPARSE_MLA_ATTENTION
-            variants = [(impl, cfg) for impl, configs in SWEPT_ATTENTION.items() for cfg in configs
+            variants = [(impl, cfg) for impl, configs in swept.items() for cfg in configs
                         if (implementations is None or impl in implementations) and impl in reading(fmt.layout)
                         and (getattr(cfg, "k_slots", 1) == 1 or pallas_mosaic_gpu.fills_k_tiles(fmt.layout, cfg))
                         and attention_op.implementation(impl).supported_on(jax.devices()[0], records.size, False)[0]]
@@ -438,9 +440,10 @@ def main(argv=None) -> int:
         ap.error(f"--requests: expected at least 1, got {args.requests}")
     if args.implementations and not set(args.implementations.split(",")) <= set(SWEPT_ATTENTION):
         ap.error(f"--implementations: expected names of {', '.join(SWEPT_ATTENTION)}, got {args.implementations!r}")
+    swept = SWEPT_ATTENTION
     if args.mosaic_configs is not None:
         try:
-            SWEPT_ATTENTION["pallas_mosaic_gpu"] = parse_mosaic_configs(args.mosaic_configs)
+            swept = dict(SWEPT_ATTENTION, pallas_mosaic_gpu=parse_mosaic_configs(args.mosaic_configs))
         except (ValueError, TypeError) as e:
             ap.error(str(e))
     if jax.default_backend() != "gpu":
@@ -470,7 +473,7 @@ def main(argv=None) -> int:
             sweep_writer(names, log, results)
         elif op == "sparse_mla_attention":
             sweep_attention(names, log, results, tuple(int(h) for h in args.attention_heads.split(",")),
-                            None if args.implementations is None else args.implementations.split(","))
+                            None if args.implementations is None else args.implementations.split(","), swept)
         else:
             ap.error(f"--ops: unknown {op!r}")
         with open(args.out, "w") as f:
