@@ -62,7 +62,9 @@ def test_the_summary_row_reads_registers_spills_and_each_regions_loop():
     report = ("ptxas info    : Function properties for kernel\n"
               "    304 bytes stack frame, 752 bytes spill stores, 740 bytes spill loads\n"
               "ptxas info    : Used 168 registers, used 16 barriers, 304 bytes cumulative stack size\n")
-    assert compile_offline.summary_row("0", report, SASS) == "0 | 168 | 752/740 | dealloc@40: 5/1 | try_alloc@232: 4/1"
+    assert compile_offline.summary_row("0", report, SASS) == "0 | 168 | 752/740 | async | dealloc@40: 5/1 | try_alloc@232: 4/1"
+    serialized = "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized\n" + report
+    assert compile_offline.summary_row("0", serialized, SASS).split(" | ")[3] == "serialized"
 
 
 @pytest.mark.skipif(not os.environ.get("CKV_JAX_CUDA_PLUGIN"), reason="CKV_JAX_CUDA_PLUGIN names no CUDA PJRT plugin")
@@ -73,4 +75,5 @@ def test_a_config_compiles_to_sm90a_ptx_without_a_gpu(tmp_path, capsys):
     assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx
     assert re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx) == [("dec", "88")] + [("inc", "208")] * 2
     row = capsys.readouterr().out.strip().splitlines()[-1]
-    assert row.startswith("0 | 168 | ") and "dealloc@88" in row and row.count("try_alloc@208") == 2
+    assert row.startswith("0 | 168 | ") and " | serialized | " in row and "dealloc@88" in row
+    assert row.count("try_alloc@208") == 2

@@ -7,8 +7,9 @@ read what ptxas made of each: registers, spills, and each warpgroup's SASS (`sas
 
 Without --mosaic-configs it compiles the format's default config.  Per config it writes
 DIR/<n>/kernel.ptx, ptxas.txt (`ptxas -v`) and sass_regions.txt, and it prints one table: the
-registers a thread launches with, the spill bytes, and per warpgroup region the instructions and
-spill instructions of its loop over tiles.  A config that ptxas rejects fails here, not on the GPU.
+registers a thread launches with, the spill bytes, whether ptxas had to serialize the wgmmas, and
+per warpgroup region the instructions and spill instructions of its loop over tiles.  A config
+that ptxas rejects fails here, not on the GPU.
 
 Needs, besides jax: the CUDA PJRT plugin of the same jax version, unpacked (`pip download
 --no-deps jax-cuda13-pjrt==$(python -c 'import jax; print(jax.__version__)')`, then unzip; the
@@ -50,6 +51,7 @@ from pallas_kernels.sparse_mla_attention import pallas_mosaic_gpu as mosaic  # n
 MOSAIC_CUSTOM_CALL = "mosaic_gpu_v2"
 REGISTER_TARGET = "_ZN6mosaic3gpu33EnsureLLVMNVPTXTargetIsRegisteredEv"   # mosaic::gpu::EnsureLLVMNVPTXTargetIsRegistered()
 COMPILE_ENTRY = "MosaicGpuCompile"
+WGMMA_SERIALIZED = "C7512"            # ptxas: "wgmma.mma_async instructions are serialized due to ..."
 # the attention bench's shape (the record count and the top-k are constants of the kernel)
 SHAPE = dict(tokens=4096, top_k=2048, rows=262144)
 
@@ -185,12 +187,14 @@ def check_plugin(path: Path) -> None:
 
 
 def summary_row(label: str, ptxas_report: str, sass: str) -> str:
-    """One line of the table: the launch registers, spill bytes, and per region the loop's
-    instructions / spill instructions."""
+    """One line of the table: the launch registers, spill bytes, whether ptxas serialized the
+    wgmmas (its C7512: each waits for the one before, for want of registers to keep them in
+    flight), and per region the loop's instructions / spill instructions."""
     registers = re.search(r"Used (\d+) registers", ptxas_report)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_report)
     cells = [label, registers.group(1) if registers else "?",
-             f"{spills.group(1)}/{spills.group(2)}" if spills else "?"]
+             f"{spills.group(1)}/{spills.group(2)}" if spills else "?",
+             "serialized" if WGMMA_SERIALIZED in ptxas_report else "async"]
     for name, ops, loop in sass_regions.regions(sass):
         if name == "entry":
             continue
@@ -240,7 +244,7 @@ def main(argv=None):
             rows.append(summary_row(str(n), ptxas_report, sass))
             print(f"{n}: {config}", flush=True)
     print(f"\n{args.format}, {args.heads} heads; files in {out}")
-    print("config | registers at launch | spill bytes stored/loaded | per region: loop instructions/spills")
+    print("config | registers at launch | spill bytes stored/loaded | wgmma | per region: loop instructions/spills")
     print("\n".join(rows))
 
 
