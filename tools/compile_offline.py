@@ -58,7 +58,6 @@ SHAPE = dict(tokens=4096, top_k=2048, rows=262144)
 # What the compile asks of the CUDA driver, answered for an H200 (compute capability 9.0); every
 # other entry point the plugin looks up is absent, and the module load fails as with no device.
 STAND_IN_DRIVER = r"""
-#include <stdio.h>
 #define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR 75
 #define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR 76
 #define CUDA_ERROR_NO_DEVICE 100
