@@ -37,7 +37,7 @@ from pallas_kernels.record_layout import RecordLayout
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["block_table", "local_cu", "slots", "chunk_rows", "req_id", "causal_len",
-                                "rank_starts", "rank_lens"],
+                                "rank_lens"],
                    meta_fields=["num_rows", "layout"])
 @dataclasses.dataclass(frozen=True)
 class StepArrays:
@@ -51,7 +51,6 @@ class StepArrays:
       chunk_rows  i32[T]              the gathered-workspace row of every chunk token
       req_id      i32[T]              the request of every query row
       causal_len  i32[T]              global causal length of every query row (its position + 1)
-      rank_starts i32[D, R]           exclusive prefix sums of rank_lens along requests
       rank_lens   i32[D, R]           local lengths per rank
     Static: num_rows (P, the workspace rows per rank) and the DcpLayout.
     """
@@ -61,7 +60,6 @@ class StepArrays:
     chunk_rows: jax.Array
     req_id: jax.Array
     causal_len: jax.Array
-    rank_starts: jax.Array
     rank_lens: jax.Array
     num_rows: int
     layout: DcpLayout
@@ -87,7 +85,7 @@ def step_arrays(plan: StepPlan, block_table, mesh: jax.sharding.Mesh | None = No
         rows = np.concatenate([rows, np.full(int(chunk_capacity) - len(rows), -1, np.int32)])
     host = StepArrays(block_table=table, local_cu=plan.local_cu_seq_lens, slots=dcp_slot_mapping(plan, table),
                       chunk_rows=rows, req_id=plan.req_id_per_token, causal_len=plan.causal_lens(),
-                      rank_starts=plan.rank_req_starts, rank_lens=plan.rank_req_lens,
+                      rank_lens=plan.rank_req_lens,
                       num_rows=plan.padded_tokens, layout=plan.layout)
     return jax.device_put(host, None if mesh is None else NamedSharding(mesh, P()))
 
