@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-NOPE, ROPE, LATENT, QK_NOPE, V_HEAD = 512, 64, 512, 128, 128
+ROPE, LATENT, QK_NOPE, V_HEAD = 64, 512, 128, 128
 
 
 def _configure_devices(dcp: int):
