@@ -43,7 +43,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sass_regions  # noqa: E402
-from tune import parse_mosaic_configs  # noqa: E402
+from tune import ATTENTION_SHAPE as SHAPE, parse_mosaic_configs  # noqa: E402
 
 from ckv_jax import formats  # noqa: E402
 from pallas_kernels.sparse_mla_attention import pallas_mosaic_gpu as mosaic  # noqa: E402
@@ -52,8 +52,6 @@ MOSAIC_CUSTOM_CALL = "mosaic_gpu_v2"
 REGISTER_TARGET = "_ZN6mosaic3gpu33EnsureLLVMNVPTXTargetIsRegisteredEv"   # mosaic::gpu::EnsureLLVMNVPTXTargetIsRegistered()
 COMPILE_ENTRY = "MosaicGpuCompile"
 WGMMA_SERIALIZED = "C7512"            # ptxas: "wgmma.mma_async instructions are serialized due to ..."
-# the attention bench's shape (the record count and the top-k are constants of the kernel)
-SHAPE = dict(tokens=4096, top_k=2048, rows=262144)
 
 # What the compile asks of the CUDA driver, answered for an H200 (compute capability 9.0); every
 # other entry point the plugin looks up is absent, and the module load fails as with no device.
@@ -89,7 +87,8 @@ def build_stand_in_driver(directory: Path) -> Path:
 
 def mosaic_module(format_name: str, heads: int, config: mosaic.MosaicAttentionTiles) -> bytes:
     """The serialized Mosaic GPU module of the attention kernel for records of `format_name`,
-    `heads` query heads and `config`, as the custom call of its CUDA lowering carries it."""
+    `heads` query heads and `config`, as the custom call of its CUDA lowering carries it, at the
+    tuning sweep's shape (the record count and the top-k are constants of the kernel)."""
     layout = formats.get(format_name).layout
     sds = jax.ShapeDtypeStruct
     lowered = jax.jit(lambda q, r, i, c: mosaic.sparse_mla_attention_mosaic(
@@ -198,8 +197,8 @@ def summary_row(label: str, ptxas_report: str, sass: str) -> str:
         if name == "entry":
             continue
         code = loop or ops
-        spilled = sum(1 for op in code if op.split(".")[0] in sass_regions.SPILLS)
-        cells.append(f"{name.split()[0].split('.')[1].lower()}{_registers_of(name)}: {len(code)}/{spilled}")
+        cells.append(f"{name.split()[0].split('.')[1].lower()}{_registers_of(name)}: {len(code)}/"
+                     f"{sass_regions.spill_count(code)}")
     return " | ".join(cells)
 
 

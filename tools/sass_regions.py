@@ -37,6 +37,11 @@ SASS_BRANCH = re.compile(r"\bBRA\s+`\((\.L_x_\d+)\)")
 SPILLS = ("STL", "LDL")
 
 
+def spill_count(opcodes) -> int:
+    """The spill instructions (local-memory stores and loads) among `opcodes`."""
+    return sum(1 for op in opcodes if op.split(".")[0] in SPILLS)
+
+
 def with_ptx_version(ptx: str, version: str) -> str:
     """ptx with its `.version` directive set to `version` (e.g. "8.8")."""
     if not re.fullmatch(r"\d+\.\d+", version):
@@ -91,8 +96,7 @@ def report(sass: str, top: int) -> str:
             if not code:
                 continue
             counts = collections.Counter(code)
-            spills = sum(n for op, n in counts.items() if op.split(".")[0] in SPILLS)
-            lines.append(f"{what}: {len(code)} instructions, {spills} spill instructions (STL/LDL)")
+            lines.append(f"{what}: {len(code)} instructions, {spill_count(code)} spill instructions (STL/LDL)")
             lines += [f"{n:7d} {op}" for op, n in counts.most_common(top)]
     return "\n".join(lines)
 
