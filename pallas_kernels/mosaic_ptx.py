@@ -178,17 +178,76 @@ def load_4(src: ir.Value, read: ir.Value) -> ir.Value:
 
 def e4m3x4_to_bf16x4(word: ir.Value) -> list[ir.Value]:
     """Two i32, each a bf16x2: the four e4m3 bytes of `word` (i32, byte 0 lowest) as bf16, byte k
-    at element k (lower half first).  Exact, NaN kept: e4m3 -> f16 -> f32 -> bf16."""
+    at element k (lower half first).  Exact, NaN kept: e4m3 -> f16 -> f32, whose upper half is the
+    bf16 (every e4m3 value is exact in bf16, so the f32's lower 16 bits are zero, and a NaN stays
+    a NaN): a byte permute (PRMT, an integer instruction) takes the two upper halves instead of
+    the conversion unit's rounding pack (`cvt.rn.bf16x2.f32`, F2FP.BF16.F32.PACK_AB), which would
+    be a second conversion-unit instruction a pair beside the e4m3 unpack; f16 -> f32 compiles to
+    HADD2.F32 (ptxas 12.9, sm_90a)."""
     out = llvm.inline_asm(
         _i32_struct(2), [word],
         "{\n.reg .b16 pair0, pair1, half0, half1;\n.reg .b32 halves;\n.reg .f32 wide0, wide1;\n"
         "mov.b32 {pair0, pair1}, $2;\n"
         "cvt.rn.f16x2.e4m3x2 halves, pair0;\nmov.b32 {half0, half1}, halves;\n"
-        "cvt.f32.f16 wide0, half0;\ncvt.f32.f16 wide1, half1;\ncvt.rn.bf16x2.f32 $0, wide1, wide0;\n"
+        "cvt.f32.f16 wide0, half0;\ncvt.f32.f16 wide1, half1;\nprmt.b32 $0, wide0, wide1, 0x7632;\n"
         "cvt.rn.f16x2.e4m3x2 halves, pair1;\nmov.b32 {half0, half1}, halves;\n"
-        "cvt.f32.f16 wide0, half0;\ncvt.f32.f16 wide1, half1;\ncvt.rn.bf16x2.f32 $1, wide1, wide0;\n}",
+        "cvt.f32.f16 wide0, half0;\ncvt.f32.f16 wide1, half1;\nprmt.b32 $1, wide0, wide1, 0x7632;\n}",
         "=r,=r,r", has_side_effects=False)
     return _fields(out, 2)
+
+
+def load_2(src: ir.Value, read: ir.Value) -> ir.Value:
+    """i32: the 2 bytes at global `src` (2-byte aligned) zero-extended where `read`, else 0."""
+    return llvm.inline_asm(ir.IntegerType.get_signless(32), [read, src],
+                           "{\nmov.b32 $0, 0;\n@$1 ld.global.nc.u16 $0, [$2];\n}", "=r,b,l", has_side_effects=True)
+
+
+# e4m3 pair (the low 16 bits of an i32, byte 0 first) -> two f32, each times 2**14
+E4M3X2_TO_F32X2_SCALED = (
+    "{\n.reg .b16 pair, half0, half1;\n.reg .b32 halves;\n.reg .f32 wide0, wide1;\n"
+    "cvt.u16.u32 pair, $2;\ncvt.rn.f16x2.e4m3x2 halves, pair;\nmov.b32 {half0, half1}, halves;\n"
+    "cvt.f32.f16 wide0, half0;\ncvt.f32.f16 wide1, half1;\n"
+    "mul.f32 $0, wide0, 0f46800000;\nmul.f32 $1, wide1, 0f46800000;\n}")
+
+
+def e4m3x2_scales(pair: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Two f32: the e4m3 bytes 0 and 1 of `pair` (i32) as values times 2**14 (exact; NaN kept),
+    the group scales `e2m1x8_to_bf16x8` takes."""
+    f32 = ir.F32Type.get()
+    out = llvm.inline_asm(ir.Type.parse("!llvm.struct<(f32, f32)>"), [pair], E4M3X2_TO_F32X2_SCALED, "=f,=f,r",
+                          has_side_effects=False)
+    return llvm.extractvalue(f32, out, [0]), llvm.extractvalue(f32, out, [1])
+
+
+def _e2m1_pair_to_bf16x2(out: str, nibbles: str, selector: str) -> str:
+    """PTX: the bf16x2 `out` of two nibbles (bytes `selector` picks from `nibbles`, one a byte)
+    times the scale in `scale`: each nibble placed in an f16 as sign, exponent and mantissa bits
+    (its e2m1 value times 2**-14, subnormals included), widened and multiplied in f32 (exact,
+    and exact in bf16: the products' upper halves, as in `e4m3x4_to_bf16x4`)."""
+    return (f"prmt.b32 spread, {nibbles}, 0, {selector};\n"
+            "and.b32 sign, spread, 0x00080008;\nshl.b32 sign, sign, 12;\n"
+            "and.b32 magnitude, spread, 0x00070007;\nshl.b32 magnitude, magnitude, 9;\n"
+            "or.b32 spread, sign, magnitude;\nmov.b32 {half0, half1}, spread;\n"
+            "cvt.f32.f16 wide0, half0;\ncvt.f32.f16 wide1, half1;\n"
+            "mul.f32 wide0, wide0, scale;\nmul.f32 wide1, wide1, scale;\n"
+            f"prmt.b32 {out}, wide0, wide1, 0x7632;\n")
+
+
+E2M1X8_TO_BF16X8 = (
+    "{\n.reg .b32 low, high, spread, sign, magnitude;\n.reg .b16 half0, half1;\n.reg .f32 wide0, wide1, scale;\n"
+    "mov.b32 scale, $5;\nand.b32 low, $4, 0x0F0F0F0F;\nshr.b32 high, $4, 4;\nand.b32 high, high, 0x0F0F0F0F;\n"
+    + _e2m1_pair_to_bf16x2("$0", "low", "0x4140") + _e2m1_pair_to_bf16x2("$1", "low", "0x4342")
+    + _e2m1_pair_to_bf16x2("$2", "high", "0x4140") + _e2m1_pair_to_bf16x2("$3", "high", "0x4342") + "}")
+
+
+def e2m1x8_to_bf16x8(word: ir.Value, scale: ir.Value) -> tuple[list[ir.Value], list[ir.Value]]:
+    """The eight e2m1 codes of `word` (i32: four packed bytes, byte k holding elements 2k (low
+    nibble) and 2k + 1 (high)) times `scale` (f32, the group's e4m3 scale times 2**14,
+    `e4m3x2_scales`), as bf16 (exact; a NaN scale makes them NaN): two i32 of bf16x2 with the
+    low nibbles of bytes 0-3 in order, and two with the high nibbles."""
+    out = llvm.inline_asm(_i32_struct(4), [word, scale], E2M1X8_TO_BF16X8, "=r,=r,=r,=r,r,f", has_side_effects=False)
+    words = _fields(out, 4)
+    return words[:2], words[2:]
 
 
 def store_16(dst: ir.Value, words: list[ir.Value]):
@@ -209,3 +268,4 @@ def arrive(barrier: ir.Value):
     """One arrival on the mbarrier at `barrier` (release: this thread's writes before it are
     visible to a waiter)."""
     _asm([barrier], "{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [$0];\n}", "l")
+

@@ -14,7 +14,8 @@ from helpers import FakeDevice, fp8_every_code, nvfp4_every_code_and_scale
 from ckv_jax import formats, sparse_mla
 from pallas_kernels import sparse_mla_attention as attention_op
 from pallas_kernels.record_layout import RecordLayout
-from pallas_kernels.sparse_mla_attention import AttentionTiles, MosaicAttentionTiles, pallas_triton, reference
+from pallas_kernels.sparse_mla_attention import (AttentionTiles, MosaicAttentionTiles, pallas_mosaic_gpu, pallas_triton,
+                                                 reference)
 
 NAMES = ["fp8_ds_mla", "nvfp4_ds_mla", "bf16"]
 N = 96                     # records
@@ -130,7 +131,7 @@ COMPILED_ONLY = pytest.mark.compiled_only
 @pytest.mark.parametrize("name, split_scores, k_slots, copy_issuers", [
     (MOSAIC, False, 1, 4), (MOSAIC, True, 1, 4), ("nvfp4_ds_mla", True, 1, 4), ("bf16", True, 1, 4),
     ("bf16", False, 2, 4), ("bf16", True, 2, 4), pytest.param(MOSAIC, False, 2, 128, marks=COMPILED_ONLY),
-    pytest.param(MOSAIC, True, 2, 128, marks=COMPILED_ONLY)])
+    pytest.param(MOSAIC, True, 2, 128, marks=COMPILED_ONLY), pytest.param("nvfp4_ds_mla", True, 2, 128, marks=COMPILED_ONLY)])
 def test_the_mosaic_kernel_keeps_the_nan_rule(name, split_scores, k_slots, copy_issuers, kernel_mode):
     """Either way of computing the scores: split, a NaN in one warpgroup's half must still reach
     the other's output columns (nvfp4: a NaN group scale of the second compute warpgroup's bytes;
@@ -142,11 +143,12 @@ def test_the_mosaic_kernel_keeps_the_nan_rule(name, split_scores, k_slots, copy_
                                                    copy_issuers=copy_issuers))
 
 
-def check_the_nan_rule(name, implementation, k=K, selected_column=4, config=None):
+def check_the_nan_rule(name, implementation, k=K, selected_column=4, config=None, heads=16):
     """selected_column: where row 3 (of k columns) selects the NaN record (the Mosaic kernel's
-    entries 32-63 of a tile are its second compute warpgroup's half when the scores are split);
-    config: a kernel config, run through the kernels' entry point instead of the public one."""
-    q, records, indices, counts, sm_scale = make_case(name, 4, 16, seed=3, k=k)
+    entries 32-63 of a tile are its second compute warpgroup's half when the scores are split;
+    with two memory warpgroups, each converts half of every 32); config: a kernel config, run through the kernels'
+    entry point instead of the public one."""
+    q, records, indices, counts, sm_scale = make_case(name, 4, heads, seed=3, k=k)
     q[0, 2, 7] = np.nan
     bad = N - 1
     indices[indices == bad] = 0
@@ -172,6 +174,46 @@ def check_the_nan_rule(name, implementation, k=K, selected_column=4, config=None
     want[3, :] = True
     np.testing.assert_array_equal(nan_rows, want)
     assert np.isnan(out[want]).all() and np.isfinite(out[~want]).all()
+
+
+# fp8 or nvfp4 converted into two K tiles by one memory warpgroup, and by two (the default), each
+# converting half of every tile's rows
+ONE_MEMORY = MosaicAttentionTiles(copy_issuers=128, k_slots=2, compute_registers=208)
+TWO_MEMORY = MosaicAttentionTiles(copy_issuers=128, k_slots=2, compute_registers=208, memory_warpgroups=2)
+
+
+@COMPILED_ONLY
+@pytest.mark.parametrize("selected_column", [4, 20, 40, 60])
+@pytest.mark.parametrize("name, heads, config", [(MOSAIC, 16, ONE_MEMORY), (MOSAIC, 16, TWO_MEMORY),
+                                                 (MOSAIC, 128, TWO_MEMORY), ("nvfp4_ds_mla", 16, TWO_MEMORY)])
+def test_the_memory_warpgroups_conversions_keep_the_nan_rule(name, heads, config, selected_column, kernel_mode):
+    """A NaN record in any quarter of a tile (with two memory warpgroups, entries 0-15 and 32-47
+    converted by the first, 16-31 and 48-63 by the second) reaches every head of its row, and a
+    NaN query only its own head."""
+    check_the_nan_rule(name, dict(implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret"),
+                       k=70, selected_column=selected_column, config=config, heads=heads)
+
+
+@COMPILED_ONLY
+@pytest.mark.parametrize("name, heads, config", [(MOSAIC, 64, TWO_MEMORY), (MOSAIC, 192, TWO_MEMORY),
+                                                 (MOSAIC, 128, ONE_MEMORY), ("nvfp4_ds_mla", 128, TWO_MEMORY)])
+def test_the_memory_warpgroups_conversions_give_every_head_every_row(name, heads, config, kernel_mode):
+    """One and two memory warpgroups converting 130 entries (three tiles, the last partial; each
+    memory warpgroup its share of each tile's rows) for one to three 64-head blocks, with scores
+    in the tens, holes, rows outside [0, N), duplicates and counts 0 (no tile) and 19."""
+    check_three_tiles_of_large_scores(name, heads, config, kernel_mode, seed=17)
+
+
+def test_two_memory_warpgroups_where_they_convert():
+    """The default for fp8 and nvfp4 converts in two memory warpgroups where the memory
+    warpgroup converts at all (compiled, per-thread copies, two K tiles); bf16 (copied), one raw
+    slot and interpret mode run one."""
+    fp8, nvfp4, bf16 = (formats.get(n).layout for n in ("fp8_ds_mla", "nvfp4_ds_mla", "bf16"))
+    of = pallas_mosaic_gpu.memory_warpgroups_of
+    assert pallas_mosaic_gpu.default_tiles(fp8) == pallas_mosaic_gpu.default_tiles(nvfp4) == TWO_MEMORY
+    assert of(fp8, TWO_MEMORY) == of(nvfp4, TWO_MEMORY) == 2 and of(fp8, ONE_MEMORY) == 1
+    assert of(fp8, TWO_MEMORY, interpret=True) == 1 and of(bf16, TWO_MEMORY) == 1
+    assert of(fp8, MosaicAttentionTiles(copy_issuers=4, k_slots=2, memory_warpgroups=2)) == 1
 
 
 def test_bad_input_is_named_before_anything_runs():
@@ -211,6 +253,7 @@ def test_the_mosaic_kernel_matches_the_oracle(name, heads, kernel_mode):
     ("bf16", 4, True, 1), ("bf16", 1, False, 2), ("bf16", 4, False, 2), ("bf16", 4, True, 2)] + [
     pytest.param(*case, marks=COMPILED_ONLY) for case in ((MOSAIC, 128, True, 1), (MOSAIC, 128, False, 2),
                                                         (MOSAIC, 128, True, 2), ("nvfp4_ds_mla", 128, True, 1),
+                                                        ("nvfp4_ds_mla", 128, True, 2),
                                                         ("bf16", 128, True, 1), ("bf16", 128, False, 2),
                                                         ("bf16", 128, True, 2))])
 def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(name, copy_issuers, split_scores, k_slots,
@@ -222,43 +265,54 @@ def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(name
     warpgroups or split between them; bf16 records copied straight into one K tile, or into two in
     turn; fp8 records converted by the memory warpgroup into two (split with two K tiles: Q's RoPE
     columns in registers)."""
-    q, records, indices, counts, sm_scale = make_case(name, 3, 16, seed=13, k=130)
+    check_three_tiles_of_large_scores(name, 16, MosaicAttentionTiles(copy_issuers=copy_issuers, split_scores=split_scores,
+                                                                     k_slots=k_slots), kernel_mode, seed=13)
+
+
+def check_three_tiles_of_large_scores(name, heads, config, kernel_mode, seed):
+    """The Mosaic kernel with `config` against the oracle over 130 entries a token (three tiles,
+    the last partial) of scores in the tens, `make_case`'s holes, rows outside [0, N), duplicates
+    and counts (0, 19, 130)."""
+    q, records, indices, counts, sm_scale = make_case(name, 3, heads, seed=seed, k=130)
     q = (q.astype(np.float32) * 16).astype(ml_dtypes.bfloat16)
     want = oracle_attention(name, q, records, indices, counts, sm_scale)
     assert np.abs(want[1][np.isfinite(want[1])]).max() > 40, "the case must reach large scores"
     got = attention_op.sparse_mla_attention(jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices),
                                             jnp.asarray(counts), sm_scale, layout=formats.get(name).layout,
                                             implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret",
-                                            config=MosaicAttentionTiles(copy_issuers=copy_issuers, split_scores=split_scores,
-                                                                        k_slots=k_slots))
-    assert_close(name, got, want, f"mosaic {name}, three tiles, large scores, {copy_issuers} copy issuer(s), "
-                                    f"split scores {split_scores}")
+                                            config=config)
+    assert_close(name, got, want, f"mosaic {name}, H={heads}, three tiles, large scores, {config}")
 
 
-def test_the_mosaic_kernel_decodes_every_nvfp4_code_and_scale(kernel_mode):
+@pytest.mark.parametrize("heads, config", [(16, None)] + [
+    pytest.param(h, c, marks=COMPILED_ONLY) for h, c in ((16, ONE_MEMORY), (128, TWO_MEMORY))])
+def test_the_mosaic_kernel_decodes_every_nvfp4_code_and_scale(heads, config, kernel_mode):
     """Token t selects only record t of `nvfp4_every_code_and_scale` (every e2m1 code times every
     e4m3 scale byte, subnormal and NaN ones included, at both parities; random finite RoPE), so
     its output is that record's values exactly and a NaN scale makes its row NaN
-    (`check_each_token_decodes_its_record`)."""
+    (`check_each_token_decodes_its_record`); converted by the default config (compiled: two
+    memory warpgroups into two K tiles; interpreted: the compute warpgroups), and compiled by one
+    memory warpgroup and by two at 128 heads."""
     records = nvfp4_every_code_and_scale()
     t = records.shape[0]
     rng = np.random.default_rng(5)
     # finite RoPE values instead of random bytes (a NaN or Inf there would poison its row too)
     records[:, 304:] = rng.standard_normal((t, 64)).astype(ml_dtypes.bfloat16).view(np.uint8)
-    q = jnp.asarray(rng.standard_normal((t, 16, 576)) * 0.01, jnp.bfloat16)
-    nan_record = check_each_token_decodes_its_record("nvfp4_ds_mla", records, q, kernel_mode)
+    q = jnp.asarray(rng.standard_normal((t, heads, 576)) * 0.01, jnp.bfloat16)
+    nan_record = check_each_token_decodes_its_record("nvfp4_ds_mla", records, q, kernel_mode, config)
     assert nan_record.sum() == 4
 
 
-def check_each_token_decodes_its_record(name, records, q, kernel_mode):
-    """The Mosaic kernel over `records` with token t of q selecting only record t: its output is
-    that record's values exactly (a softmax weight of 1; the products are exact in bf16), and its
-    row is NaN (lse and every output) exactly where the record holds a NaN.  Returns which do."""
+def check_each_token_decodes_its_record(name, records, q, kernel_mode, config=None):
+    """The Mosaic kernel (with `config`; None: the default) over `records` with token t of q
+    selecting only record t: its output is that record's values exactly (a softmax weight of 1;
+    the products are exact in bf16), and its row is NaN (lse and every output) exactly where the
+    record holds a NaN.  Returns which do."""
     t, heads = q.shape[:2]
     indices = jnp.asarray(np.arange(t, dtype=np.int32)[:, None])
-    out, lse = ckv_jax.sparse_mla_attention(q, jnp.asarray(records), indices, jnp.ones(t, jnp.int32), 0.05,
-                                            format=name, implementation="pallas_mosaic_gpu",
-                                            interpret=kernel_mode == "interpret")
+    out, lse = attention_op.sparse_mla_attention(q, jnp.asarray(records), indices, jnp.ones(t, jnp.int32), 0.05,
+                                                 layout=formats.get(name).layout, implementation="pallas_mosaic_gpu",
+                                                 interpret=kernel_mode == "interpret", config=config)
     values = oracle.decode(name, records)[:, :512]
     nan_record = np.isnan(values).any(axis=1)
     out = np.asarray(out.astype(jnp.float32))
@@ -269,15 +323,17 @@ def check_each_token_decodes_its_record(name, records, q, kernel_mode):
     return nan_record
 
 
-def test_the_mosaic_kernel_decodes_every_fp8_code(kernel_mode):
+@pytest.mark.parametrize("heads, config", [(16, None)] + [
+    pytest.param(h, c, marks=COMPILED_ONLY) for h, c in ((16, ONE_MEMORY), (128, TWO_MEMORY))])
+def test_the_mosaic_kernel_decodes_every_fp8_code(heads, config, kernel_mode):
     """Token t selects only record t of `fp8_every_code` (every e4m3 code at both parities, NaN
     codes at every place of a 16-byte chunk and in every tile; power-of-two tile scales), so its
     output is that record's values exactly and a NaN code makes its row NaN
-    (`check_each_token_decodes_its_record`).  Compiled, the default config: converted by the
-    memory warpgroup."""
+    (`check_each_token_decodes_its_record`).  Compiled, the default config converts in two
+    memory warpgroups (each half of the rows); and one memory warpgroup, and two at 128 heads."""
     records = fp8_every_code()
-    q = jnp.asarray(np.random.default_rng(6).standard_normal((records.shape[0], 16, 576)) * 0.01, jnp.bfloat16)
-    nan_record = check_each_token_decodes_its_record(MOSAIC, records, q, kernel_mode)
+    q = jnp.asarray(np.random.default_rng(6).standard_normal((records.shape[0], heads, 576)) * 0.01, jnp.bfloat16)
+    nan_record = check_each_token_decodes_its_record(MOSAIC, records, q, kernel_mode, config)
     assert nan_record.tolist() == [False] * 2 + [True] * 8
 
 
@@ -304,9 +360,17 @@ def test_the_mosaic_kernel_names_what_it_does_not_read():
                                               for a in make_case("bf16", 2, 16, seed=1))
     for registers in (236, 248, 16):
         with pytest.raises(ValueError, match=rf"compute_registers: expected a multiple of 8 in \[24, 240\] "
-                                             rf"\(the memory warpgroup keeps at least 24\), got {registers}"):
+                                             rf"\(each memory warpgroup keeps at least 24\), got {registers}"):
             MosaicAttentionTiles(compute_registers=registers)
-    assert MosaicAttentionTiles().memory_registers == 40
+    assert MosaicAttentionTiles().memory_registers() == 40 and TWO_MEMORY.memory_registers(2) == 48
+    with pytest.raises(ValueError, match=r"compute_registers: expected a multiple of 8 in \[24, 232\] \(each memory "
+                                         r"warpgroup keeps at least 24\), got 240"):
+        MosaicAttentionTiles(compute_registers=240, memory_warpgroups=2)
+    with pytest.raises(ValueError, match="memory_warpgroups: expected 1 or 2, got 3"):
+        MosaicAttentionTiles(memory_warpgroups=3)
+    fp8, bf16 = formats.get(MOSAIC).layout, formats.get("bf16").layout
+    assert [pallas_mosaic_gpu.memory_warpgroups_of(layout, TWO_MEMORY, interpret)
+            for layout, interpret in ((fp8, False), (fp8, True), (bf16, False))] == [2, 1, 1]
     wide = jnp.zeros((2, 4097), jnp.int32)
     with pytest.raises(ValueError, match=r"indices: .* at most 4096 entries; got int32\[2, 4097\]"):
         attention_op.sparse_mla_attention(q8, records8, wide, counts8, sm_scale, layout=formats.get(MOSAIC).layout,
@@ -317,19 +381,23 @@ def test_the_mosaic_kernel_lowers_for_cuda():
     """Every copy issuer lowers for CUDA (the four-warp and the per-thread ones run on a GPU only:
     the interpreter has no warp-level scopes or inline PTX), to different kernels; so does every
     format, bf16 with two K tiles and per-thread copies too, and both with split scores beside two
-    K tiles."""
+    K tiles; fp8 and nvfp4 converted by one memory warpgroup and by two."""
     sds = jax.ShapeDtypeStruct
     texts = {}
-    for name, issuers, slots, split in ((MOSAIC, 1, 1, True), (MOSAIC, 4, 1, True), (MOSAIC, 128, 1, True),
-                                        (MOSAIC, 128, 2, False), (MOSAIC, 128, 2, True), ("nvfp4_ds_mla", 4, 1, True),
-                                        ("nvfp4_ds_mla", 128, 1, True), ("bf16", 4, 2, False), ("bf16", 128, 2, False),
-                                        ("bf16", 128, 2, True)):
+    for name, issuers, slots, split, memory in ((MOSAIC, 1, 1, True, 1), (MOSAIC, 4, 1, True, 1),
+                                                (MOSAIC, 128, 1, True, 1), (MOSAIC, 128, 2, False, 1),
+                                                (MOSAIC, 128, 2, True, 1), (MOSAIC, 128, 2, True, 2),
+                                                ("nvfp4_ds_mla", 4, 1, True, 1), ("nvfp4_ds_mla", 128, 1, True, 1),
+                                                ("nvfp4_ds_mla", 128, 2, True, 1), ("nvfp4_ds_mla", 128, 2, True, 2),
+                                                ("bf16", 4, 2, False, 1), ("bf16", 128, 2, False, 1),
+                                                ("bf16", 128, 2, True, 1)):
         layout = formats.get(name).layout
-        tiles = MosaicAttentionTiles(copy_issuers=issuers, split_scores=split, k_slots=slots)
-        texts[name, issuers, slots, split] = jax.jit(lambda q, r, i, c: attention_op.sparse_mla_attention_mosaic(
+        tiles = MosaicAttentionTiles(copy_issuers=issuers, split_scores=split, k_slots=slots, memory_warpgroups=memory)
+        texts[name, issuers, slots, split, memory] = jax.jit(lambda q, r, i, c: attention_op.sparse_mla_attention_mosaic(
             q, r, i, c, 0.04, layout=layout, config=tiles)).trace(
-            sds((64, 64, 576), jnp.bfloat16), sds((4096, layout.record_bytes), jnp.uint8), sds((64, 2048), jnp.int32),
-            sds((64,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+            sds((64, 64, 576), jnp.bfloat16),
+            sds((4096, layout.record_bytes), jnp.uint8),
+            sds((64, 2048), jnp.int32), sds((64,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     for (name, *_), text in texts.items():
         kind = formats.get(name).layout.kind
         assert text.count("stablehlo.custom_call") == 1 and f"ckv_sparse_mla_attention_mgpu_{kind}" in text
@@ -366,21 +434,21 @@ def test_the_xla_implementation_bounds_its_temporaries():
 @pytest.mark.parametrize("device, name, records_bytes, heads, top_k, interpret, chosen", [
     (FakeDevice(), "fp8_ds_mla", 1 << 30, 8, 2048, False, "pallas_triton"),
     (FakeDevice(), "bf16", 1 << 30, 8, 2048, False, "pallas_triton"),
-    (FakeDevice(), "nvfp4_ds_mla", 1 << 30, 16, 2048, False, "pallas_triton"),
+    (FakeDevice(), "nvfp4_ds_mla", 1 << 30, 8, 2048, False, "pallas_triton"),
     # Triton cannot address a u8 buffer of 2-4 GiB: the Mosaic GPU kernel where it reads the records
     (FakeDevice(), "fp8_ds_mla", 3 << 30, 8, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(), "bf16", 3 << 30, 8, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(compute_capability="8.0"), "fp8_ds_mla", 3 << 30, 16, 2048, False, "xla"),
-    (FakeDevice(), "nvfp4_ds_mla", 5 << 30, 16, 2048, False, "pallas_triton"),
+    (FakeDevice(), "nvfp4_ds_mla", 5 << 30, 8, 2048, False, "pallas_triton"),
     (FakeDevice(platform="cpu"), "fp8_ds_mla", 1 << 30, 16, 2048, False, "xla"),
     (FakeDevice(platform="cpu"), "fp8_ds_mla", 1 << 20, 16, 2048, True, "pallas_triton"),
-    # from MOSAIC_FIRST_HEADS heads on (16 for fp8 and bf16, 64 for nvfp4), compiled on a GPU,
+    # from MOSAIC_FIRST_HEADS heads on (16), compiled on a GPU,
     # the Mosaic GPU kernel first where it runs; the next of the default order where it does not
     (FakeDevice(), "fp8_ds_mla", 1 << 30, 16, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(), "bf16", 1 << 30, 16, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(), "fp8_ds_mla", 1 << 30, 64, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(), "fp8_ds_mla", 1 << 30, 128, 2048, False, "pallas_mosaic_gpu"),
-    (FakeDevice(), "nvfp4_ds_mla", 1 << 30, 32, 2048, False, "pallas_triton"),
+    (FakeDevice(), "nvfp4_ds_mla", 1 << 30, 16, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(), "nvfp4_ds_mla", 1 << 30, 64, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(), "bf16", 1 << 30, 64, 2048, False, "pallas_mosaic_gpu"),
     (FakeDevice(), "fp8_ds_mla", 1 << 30, 64, 8192, False, "pallas_triton"),       # a top-k past its SMEM

@@ -253,7 +253,10 @@ ATTENTION_CONFIGS = [AttentionTiles(h, k, w, st) for h, k, w, st in
 MOSAIC_ATTENTION_CONFIGS = [MosaicAttentionTiles(copy_issuers=w, split_scores=split)
                             for w, split in ((4, False), (4, True), (128, False), (128, True))] + [
     MosaicAttentionTiles(copy_issuers=w, split_scores=split, k_slots=2) for w in (4, 128) for split in (False, True)] + [
-    MosaicAttentionTiles(copy_issuers=128, k_slots=2, compute_registers=r) for r in (216, 208, 200)]  # two K tiles
+    MosaicAttentionTiles(copy_issuers=128, k_slots=2, compute_registers=r) for r in (216, 208, 200)] + [  # two K tiles
+    # fp8 and nvfp4 converted by two memory warpgroups (twice the warps, each thread half the rows
+    # and 256 - compute_registers registers)
+    MosaicAttentionTiles(copy_issuers=128, k_slots=2, compute_registers=r, memory_warpgroups=2) for r in (216, 208, 200)]
 SWEPT_ATTENTION = {"pallas_triton": ATTENTION_CONFIGS, "pallas_mosaic_gpu": MOSAIC_ATTENTION_CONFIGS}
 
 

@@ -9,13 +9,13 @@ DEFAULT_ORDER: a kernel wherever one runs compiled (a GPU; the Mosaic GPU kernel
 the records it reads), XLA elsewhere.  Triton comes first below MOSAIC_FIRST_HEADS heads of the
 records' format; from there on, compiled on a GPU, the Mosaic GPU kernel does.  Its CTA always
 computes 64 heads, so its time does not fall with fewer heads while Triton's does: on the H200
-(BENCHMARKS.md, T = 4,096, top-k 2,048), fp8 runs at 222 against Triton's 85 TFLOP/s at 64 heads
-and 53.6 against 46.0 at 16 (the same 5.6 ms a call at 16, 32 and 64 heads), bf16 at 324 against
-120 and 80.4 against 57.4, so both come first from 16 heads (fewer were not measured); nvfp4,
-which the Mosaic kernel converts between its products, 159 against 73 at 64 heads and was not
-measured below, so from 64.  The work a measured table is keyed by (FLOPs) does not tell these
-apart (a decode step of 128 heads has less work than a prefill chunk of 16), so the head count
-decides, and a measured order still comes first.
+(BENCHMARKS.md, T = 4,096, top-k 2,048), fp8 runs at 231 against Triton's 84.5 TFLOP/s at
+64 heads, 110 against 66.7 at 32 and 55.6 against 46.0 at 16 (5.2-5.5 ms a call at 16, 32 and 64
+heads); nvfp4 at 239 against 70.4 at 64 and 61.7 against 32.2 at 16; bf16 (an earlier run) 80.4
+against 57.4 at 16.  So it comes first from 16 heads for every format (fewer were not measured).
+The work a measured table is keyed by (FLOPs) does not tell these apart (a decode step of 128
+heads has less work than a prefill chunk of 16), so the head count decides, and a measured order
+still comes first.
 """
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ from pallas_kernels.sparse_mla_attention.pallas_triton import AttentionTiles
 from pallas_kernels.sparse_mla_attention.reference import attention_blocked
 
 DEFAULT_ORDER = ("pallas_triton", "pallas_mosaic_gpu", "xla")
-# the Mosaic GPU kernel first from this many heads a call on, by record layout kind
-MOSAIC_FIRST_HEADS = {"fp8_tiles": 16, "bf16": 16, "nvfp4_groups": 64}
+# the Mosaic GPU kernel first from this many heads a call on, by record layout kind (the same for
+# every kind since nvfp4 is converted by the memory warpgroups too)
+MOSAIC_FIRST_HEADS = {"fp8_tiles": 16, "bf16": 16, "nvfp4_groups": 16}
 MANY_HEADS_ORDER = ("pallas_mosaic_gpu", "pallas_triton", "xla")
 
 

@@ -1,7 +1,8 @@
 """Mosaic GPU sparse-MLA attention over fp8_ds_mla, nvfp4_ds_mla and bf16 records, with wgmma on SM90.
 
 Grid (T, H_pad / 64): CTA (t, b) computes heads [64 b, 64 b + 64) of query token t, the wgmma's
-M (fewer heads are padded to 64, so 16 heads cost what 64 do).  Three warpgroups:
+M (fewer heads are padded to 64, so 16 heads cost what 64 do).  Three warpgroups (four with two
+memory warpgroups, below):
 
 - the memory warpgroup copies the token's index row into SMEM once, then per tile of `block_k`
   top-k entries issues (as one, or from each of its warps for a quarter of the rows:
@@ -50,42 +51,42 @@ scores' exchange does not fit beside them and all of Q: there each compute warpg
 RoPE columns in registers (bf16[64, 64], 16 registers a thread; they arrive through the exchange's
 SMEM, which the softmax weights then reuse), and its RoPE scores are a wgmma with A in registers.
 
-Where it stands (BENCHMARKS.md; T = 4,096, top-k 2,048, 262K records, device timeline, 64 heads):
-bf16 331.7 TFLOP/s with split scores over two K tiles filled by per-thread copies (276.5 with
-every score in both compute warpgroups in the same run; 172 with four issuing warps, where 576
-bulk copies a tile, each with its own barrier arrival, were the bound); fp8 222.0 converted by
-the memory warpgroup (below; 152.2 without split scores in the same run); nvfp4 159 (160 at 128
-heads), where per-thread copies alone change nothing: its time is the compute warpgroups'
-conversion.  The history of the fp8 kernel with one raw slot: ncu had both compute warpgroups
-spilling (16M local-memory requests at T = 256) and 46% of the SMEM wavefronts excessive; then no
-tile-shaped scale or mask array was held across the wgmmas (124 TFLOP/s, spills halved), the raw
-rows were padded off one SMEM bank (excessive wavefronts 1%), and `split_scores` gave each
-compute warpgroup half of the tile's entries: half the score wgmmas and exponentials, the row
-maxima and the bf16 softmax weights exchanged through SMEM (147.6).  Four copy issuers matter
-there: 147.6 against 95.3 with one.  The time does not change from 16 to 64 heads (a CTA always
-holds 64): 35.9 TFLOP/s at 16.  What bf16's two tiles gained is what fp8 and nvfp4 lost to
-converting between the products, not beside them.
+fp8 and nvfp4 records converted by the memory warpgroups (`copy_issuers=128`, `k_slots=2`,
+compiled; the default, with split scores, `compute_registers=208` and `memory_warpgroups=2`):
+their threads load their chunks of each row into registers (the thread mapping of the per-thread
+copies), convert them to bf16 (inline PTX, exact: fp8's e4m3 values themselves, whose f32 upper
+halves are the bf16; nvfp4's e2m1 values times their group's e4m3 scale) and store them at their
+swizzled places in one of two K tiles, the RoPE as it is and fp8's tile scales into a table per K
+tile; the compute warpgroups only wait, score and accumulate.  The conversion loop is one warp
+per SM sub-partition waiting out its loads, and registers bound how many are in flight (fp8: 159
+TFLOP/s with 40 registers a memory thread, 222 with 88, which split scores leave by needing only
+208 in each compute warpgroup); a fourth warpgroup doubles those warps: each memory warpgroup
+converts half of every tile's rows, with 256 - `compute_registers` registers a thread (the CTA's
+512 threads launch with 128 each); the slot barriers count both, and the first alone copies the
+ring's indices.
 
-fp8 records converted by the memory warpgroup (`copy_issuers=128`, `k_slots=2`, compiled; the
-default, with split scores and `compute_registers=208`): its threads load their chunks of each
-row into registers (the thread mapping of the per-thread copies), convert the e4m3 bytes to bf16
-(exact: e4m3 -> f16 -> f32 -> bf16, inline PTX) and store them at their swizzled places in one of
-two K tiles, the RoPE as it is and the tile scales into a table per K tile; the compute
-warpgroups only wait, score and accumulate.  Before
-split scores fitted beside two K tiles, this ran at 174.6 TFLOP/s (146.7 with the compute
-warpgroups converting), and variants showed the memory warpgroup's conversion loop as fp8's first
-limit: 268 with the records copied but not converted.  That loop's loads wait on memory with few
-of them in flight at 40 registers a thread; split scores need fewer registers in the compute
-warpgroups, and at 208 each (the memory warpgroup 88) fp8 runs at 222.0: 159.3 at 232, 192.2 at
-224, 215.3 at 216, 210.7 at 200, 187.6 at 192 (all exact, one run each).  nvfp4 still converts in
-the compute warpgroups (159).
+Where it stands (BENCHMARKS.md; T = 4,096, top-k 2,048, 262K records, device timeline): bf16
+313 TFLOP/s at 64 heads and 352 at 128 (split scores over two K tiles filled by per-thread
+copies; 276.5 with every score in both compute warpgroups; 172 with four issuing warps, where 576
+bulk copies a tile, each with its own barrier arrival, were the bound).  fp8 231 at 64 and at 128
+heads with two memory warpgroups (one: 224.6 / 224.2 in the sweep that chose two; 146.7 converting in
+the compute warpgroups), where its compute warpgroups' five exact score chains are the limit
+(ptxas serializes their wgmmas for want of registers, and they spill); nvfp4 239 and 245 (214.9
+with one memory warpgroup; 149.2 converting in the compute warpgroups).  The
+history with one raw slot: ncu had both compute warpgroups spilling (16M local-memory requests at
+T = 256) and 46% of the SMEM wavefronts excessive; then no tile-shaped scale or mask array was
+held across the wgmmas, the raw rows were padded off one SMEM bank (excessive wavefronts 1%), and
+`split_scores` gave each compute warpgroup half of the tile's entries: half the score wgmmas and
+exponentials, the row maxima and the bf16 softmax weights exchanged through SMEM (147.6); four
+copy issuers matter there (95.3 with one).  The time does not change from 16 to 64 heads (a CTA
+always holds 64).
 
 Interpret mode (CPU tests) runs the same pipeline, copies, barriers and masks; it has no register
 layouts, tiles or swizzles, and its wgmma takes neither a transposed operand nor an accumulator
 initialised from a value, so there the loads are plain, bf16's copies write whole rows of the K
 tile, and the products are float32 dots of the same SMEM tiles.  It has no inline PTX either: the
-per-thread copies run there as one issuer's Pallas copies, and fp8 records that the memory
-warpgroup would convert go through one raw slot, converted by the compute warpgroups.
+per-thread copies run there as one issuer's Pallas copies, and fp8 and nvfp4 records that the
+memory warpgroups would convert go through one raw slot, converted by the compute warpgroups.
 """
 from __future__ import annotations
 
@@ -134,10 +135,15 @@ NVFP4_CONVERT_BYTES = 64
 # so the eight rows a warp reads at once in the WGMMA layout hit one bank; 16 bytes (four banks)
 # more per row spread them over all 32
 ROW_PAD_BYTES = 16
-# What setmaxnreg shares among a thread of each warpgroup: the CTA launches with 168 registers a
-# thread (65,536 over its 384 threads, in steps of 8), 3 x 168 in all; and its smallest count
-REGISTER_BUDGET = 504
+# setmaxnreg's smallest count
 MIN_REGISTERS = 24
+
+
+def register_budget(warpgroups: int) -> int:
+    """What setmaxnreg shares among a thread of each of `warpgroups` warpgroups: the CTA launches
+    with the 65,536 registers of the SM over its threads in steps of 8 a thread (three
+    warpgroups: 168 each, 504 in all; four: 128 each, 512)."""
+    return 65536 // (128 * warpgroups) // 8 * 8 * warpgroups
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -164,9 +170,14 @@ class MosaicAttentionTiles:
     # Otherwise (nvfp4; fp8 with bulk copies or interpreted) the records go through one raw slot,
     # converted by the compute warpgroups into one K tile, whatever this says.
     k_slots: int = 1
-    # setmaxnreg of each compute warpgroup; the memory warpgroup gets what is left of the SM's
-    # registers (REGISTER_BUDGET - 2 * compute_registers a thread: 40 with the default 232)
+    # setmaxnreg of each compute warpgroup; the memory warpgroups share what is left of the SM's
+    # registers (`memory_registers`: 40 a thread with the default 232 and one memory warpgroup)
     compute_registers: int = 232
+    # Memory warpgroups where they convert the records (`converts_in_memory_warpgroup`): 1, or 2,
+    # each converting half of every tile's rows (twice the warps to wait out the loads' latency,
+    # each thread with half the rows and fewer registers: the CTA then runs four warpgroups);
+    # elsewhere one copies the records (`memory_warpgroups_of`)
+    memory_warpgroups: int = 1
 
     def __post_init__(self):
         selection.check_power_of_two_fields(self, ("block_k",))
@@ -178,15 +189,17 @@ class MosaicAttentionTiles:
             raise ValueError(f"copy_issuers: expected one of {COPY_ISSUERS}, got {self.copy_issuers}")
         if not isinstance(self.split_scores, bool):
             raise TypeError(f"split_scores: expected a bool, got {self.split_scores!r}")
-        most = (REGISTER_BUDGET - MIN_REGISTERS) // 2
+        if self.memory_warpgroups not in (1, 2):
+            raise ValueError(f"memory_warpgroups: expected 1 or 2, got {self.memory_warpgroups!r}")
+        most = min((register_budget(2 + m) - m * MIN_REGISTERS) // 2 for m in range(1, self.memory_warpgroups + 1))
         if not (isinstance(self.compute_registers, int) and self.compute_registers % 8 == 0
                 and MIN_REGISTERS <= self.compute_registers <= most):
-            raise ValueError(f"compute_registers: expected a multiple of 8 in [{MIN_REGISTERS}, {most}] (the memory "
+            raise ValueError(f"compute_registers: expected a multiple of 8 in [{MIN_REGISTERS}, {most}] (each memory "
                              f"warpgroup keeps at least {MIN_REGISTERS}), got {self.compute_registers!r}")
 
-    @property
-    def memory_registers(self) -> int:
-        return REGISTER_BUDGET - 2 * self.compute_registers
+    def memory_registers(self, memory_warpgroups: int = 1) -> int:
+        """setmaxnreg of each of `memory_warpgroups` memory warpgroups beside the two compute ones."""
+        return (register_budget(2 + memory_warpgroups) - 2 * self.compute_registers) // memory_warpgroups
 
 
 def copies_into_k(layout: RecordLayout) -> bool:
@@ -202,17 +215,15 @@ def top_k_fits(layout: RecordLayout, top_k: int) -> bool:
 
 
 def default_tiles(layout: RecordLayout) -> MosaicAttentionTiles:
-    """The measured best config for `layout` (BENCHMARKS.md, H200, 64 heads): split scores over
-    two K tiles in flight, filled by the memory warpgroup's threads, for bf16 (copied: 331.7
-    TFLOP/s against 276.5 computing every score in both compute warpgroups) and fp8 (converted
-    there: 222.0 against 152.2, with 208 registers a compute thread, which leaves the memory
-    warpgroup 88 for its loads in flight: 215.3 at 216, 210.7 at 200).  nvfp4: split scores and
-    four copy issuers through one raw slot (its time is the compute warpgroups' conversion)."""
+    """The measured best config for `layout` (BENCHMARKS.md, H200, 64 and 128 heads): split scores
+    over two K tiles in flight, filled by the memory warpgroups' threads.  bf16: copied by one
+    (317-332 TFLOP/s against 276.5 computing every score in both compute warpgroups).  fp8 and
+    nvfp4: converted by two memory warpgroups with 208 registers a compute thread (fp8 231.2 at
+    64 heads, 230.3 at 128, against 224.6 and 224.2 with one memory warpgroup; nvfp4 239.8 and
+    246.9, against 214.9 with one and 149.2 converting in the compute warpgroups)."""
     if copies_into_k(layout):
         return MosaicAttentionTiles(copy_issuers=LANES, k_slots=2)
-    if layout.kind == "fp8_tiles":
-        return MosaicAttentionTiles(copy_issuers=LANES, k_slots=2, compute_registers=208)
-    return MosaicAttentionTiles()
+    return MosaicAttentionTiles(copy_issuers=LANES, k_slots=2, compute_registers=208, memory_warpgroups=2)
 
 
 def _bf16_row_of(slot, j, chunk, block_k):
@@ -226,7 +237,7 @@ def _bf16_row_of(slot, j, chunk, block_k):
 def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, zero_row, out_ref, lse_ref,
             q_smem, idx_smem, raw, k_views, exchange, lane_bars, q_loaded, idx_loaded, raw_bars, tile_syncs, slot_free,
             idx_bars, *, kind, copies, segments, num_records, record_bytes, top_k, block_k, slots, issuers, converted,
-            split, rope_in_registers, compute_registers, memory_registers, interpret):
+            split, rope_in_registers, compute_registers, memory_registers, memory_wgs, interpret):
     # idx_ref: i32[T, top_k]; count_ref: i32[T]; scale_ref: f32[1]; q_ref: bf16[T, H_pad, 576]
     # (nvfp4: the NoPE's even elements, then its odd ones)
     # rec_u8 / rec_scales / rec_bf16: the records u8[N, R], viewed as u8, as f32 (fp8: its tile
@@ -280,7 +291,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
     per_slot = _copy_barriers_per_slot(issuers)
     if lanes:
         from pallas_kernels import mosaic_ptx
-        mosaic_ptx.init_barriers(lane_bars, slots, LANES)
+        mosaic_ptx.init_barriers(lane_bars, slots, LANES * memory_wgs)
 
     def k_tile(i):
         """The K tile of tile i: bf16[block_k, 576] (swizzled)."""
@@ -343,9 +354,10 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
         plgpu.barrier_arrive(barrier)
         plgpu.barrier_wait(barrier)
 
-    @pl.when(wg == 2)
+    @pl.when(wg >= 2)
     def _memory():
         plgpu.set_max_registers(memory_registers, action="decrease")
+        mw = wg - 2             # this memory warpgroup (of `memory_wgs`, which only converting splits)
         if not filled:
             plgpu.copy_gmem_to_smem(idx_ref.at[t], idx_smem, idx_bar, oob_mode=in_bounds)
             plgpu.barrier_wait(idx_bar)
@@ -382,10 +394,11 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                                         k_views[1].at[pl.ds(_bf16_row_of(lax.rem(i, slots), j, c, block_k), 1)],
                                         bar, oob_mode=in_bounds)
 
-        def thread_rows(i_fa, count_fa, idx, records):
+        def thread_rows(i_fa, count_fa, idx, records, first=None, num=block_k // LANE_GROUPS):
             """In an inline body of tile i (`lane_copies`, `convert_rows`): this thread's group g
-            and place q in it (i32), the tile's slot, and for each of its rows g + 16 r the
-            record's address (i64; a masked entry's: row 0's) and whether it is selected (i1)."""
+            and place q in it (i32), the tile's slot, and for each of its rows j = g + 16 (first +
+            r), r < num (first: an i32, None for 0), j (i32), the record's address (i64; a masked
+            entry's: row 0's) and whether it is selected (i1)."""
             ptx = mosaic_ptx
             arith, c32 = ptx.arith, ptx.i32
             lt, ge = arith.CmpIPredicate.slt, arith.CmpIPredicate.sge
@@ -394,16 +407,18 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
             g, q = arith.divui(tid, c32(LANE_GROUP)), arith.remui(tid, c32(LANE_GROUP))
             slot = arith.remui(tile_i, c32(slots))
             base = ptx.address(records)
-            sources, valid = [], []
-            for r in range(block_k // LANE_GROUPS):
-                pos = arith.addi(arith.muli(tile_i, c32(block_k)), arith.addi(g, c32(r * LANE_GROUPS)))
+            first_row = g if first is None else arith.addi(g, arith.muli(first, c32(LANE_GROUPS)))
+            rows, sources, valid = [], [], []
+            for r in range(num):
+                rows.append(arith.addi(first_row, c32(r * LANE_GROUPS)))
+                pos = arith.addi(arith.muli(tile_i, c32(block_k)), rows[-1])
                 row = ptx.memref.load(idx, [arith.index_cast(ptx.ir.IndexType.get(), pos)])
                 ok = arith.andi(arith.andi(arith.cmpi(lt, pos, count_i), arith.cmpi(ge, row, c32(0))),
                                 arith.cmpi(lt, row, c32(num_records)))
                 row = ptx.to_i64(arith.select(ok, row, c32(0)))
                 sources.append(arith.addi(base, arith.muli(row, ptx.i64(record_bytes))))
                 valid.append(ok)
-            return g, q, slot, sources, valid
+            return g, q, slot, rows, sources, valid
 
         def lane_copies(i):
             """Tile i's records in 16-byte chunks (`mosaic_ptx.copy_16`), every thread issuing its
@@ -426,7 +441,7 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
             @plgpu.inline_mgpu(arg_types=(splat, splat) + (plgpu.RefType(),) * 3 + dst_types)
             def issue(ctx, i_fa, count_fa, idx, records, bars, *dst_refs):
                 lt, c32 = arith.CmpIPredicate.slt, ptx.i32
-                g, q, slot, sources, valid = thread_rows(i_fa, count_fa, idx, records)
+                g, q, slot, _, sources, valid = thread_rows(i_fa, count_fa, idx, records)
                 chunk = ptx.to_i64(arith.muli(q, c32(ptx.CHUNK_BYTES)))
                 if direct:
                     # row j = g + 16 r of slot s lies in [8, 64] tiles row-major over (s, j // 8,
@@ -458,27 +473,39 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
             issue(i, count, idx_ref.at[t], rec_u8, lane_bars, *dsts)
 
         def convert_rows(i):
-            """fp8 records of tile i converted by this warpgroup into K slot i % slots: the e4m3
-            values themselves (exact in bf16; the tile scales multiply the products, as in the
-            compute warpgroups' conversion), the RoPE as it is, the four tile scales of a row into
-            its slot's table of scales_smem; masked entries' rows and scales zero.  Thread q of
-            group g (as in `lane_copies`) takes rows g + 16 r: NoPE bytes [16 u, 16 u + 16) for
-            u = q + 8 m (K columns of the same span: two 16-byte chunks of piece u // 4), RoPE
-            chunk q, and scale q (q < 4).  It loads a row's bytes into registers (`load_16`),
+            """fp8 or nvfp4 records of tile i converted by this warpgroup into K slot i % slots,
+            the RoPE as it is, masked entries' rows zero.  fp8: the e4m3 values themselves (exact
+            in bf16; the tile scales multiply the products, as in the compute warpgroups'
+            conversion), the four tile scales of a row into its slot's table of scales_smem
+            (masked entries' zero).  nvfp4: each e2m1 value times its group's e4m3 scale (exact
+            in bf16, `mosaic_ptx.e2m1x8_to_bf16x8`), the low nibbles (even elements) into the
+            first 256 columns and the high ones (odd) into the last 256, as the compute
+            warpgroups convert them.  Thread q of group g (as in `lane_copies`) takes rows
+            g + 16 r: NoPE bytes [16 u, 16 u + 16) for u = q + 8 m (fp8: K columns of the same
+            span, two 16-byte chunks of piece u // 4; nvfp4: the scales of groups 2 u and 2 u + 1,
+            and K columns [16 u, 16 u + 16) and 256 more), RoPE chunk q, and fp8's scale q (q <
+            4).  It loads a row's bytes into registers (`load_16`),
             converts, stores them at their swizzled places, and arrives on the slot's mbarrier
             after fencing the async proxy (the wgmma reads them).  Every row's lines are sent to
-            L2 first (`prefetch_l2`), so that the loads of the later rows find them there."""
+            L2 first (`prefetch_l2`), so that the loads of the later rows find them there.
+
+            With two memory warpgroups each converts half of those rows (warpgroup m rows
+            g + 16 r for r in {2 m, 2 m + 1})."""
             ptx = mosaic_ptx
             arith = ptx.arith
             splat = plgpu.Layout.WG_SPLAT(shape=())
             nope, rope_at, scales_at = segments[0], segments[2][0], segments[1][0]
+            rows_per_thread = block_k // LANE_GROUPS // memory_wgs
+            share = (mw,) if memory_wgs > 1 else ()   # a scalar more: this warpgroup's block of rows
 
-            @plgpu.inline_mgpu(arg_types=(splat, splat) + (plgpu.RefType(),) * 3
+            @plgpu.inline_mgpu(arg_types=(splat,) * (2 + len(share)) + (plgpu.RefType(),) * 3
                                + (plgpu.RefType(_swizzled()), plgpu.RefType()))
-            def body(ctx, i_fa, count_fa, idx, records, bars, k_ref, scales_ref):
+            def body(ctx, i_fa, count_fa, *refs):
+                idx, records, bars, k_ref, scales_ref = refs[len(share):]
                 lt, eq = arith.CmpIPredicate.slt, arith.CmpIPredicate.eq
                 c32, c64 = ptx.i32, ptx.i64
-                g, q, slot, sources, valid = thread_rows(i_fa, count_fa, idx, records)
+                first = arith.muli(ptx.scalar(refs[0]), c32(rows_per_thread)) if share else None
+                g, q, slot, rows, sources, valid = thread_rows(i_fa, count_fa, idx, records, first, rows_per_thread)
                 g8 = arith.remui(g, c32(8))
                 # the rows' lines into L2: thread q the line at 128 q bytes, the last thread its last byte
                 line = arith.select(arith.cmpi(eq, q, c32(LANE_GROUP - 1)), c32(record_bytes - 1),
@@ -492,39 +519,57 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                     arith.muli(arith.addi(arith.muli(slot, c32(block_k // 8)), arith.divui(g, c32(8))),
                                c32(BF16_CHUNKS * K_TILE_BYTES)),
                     arith.muli(g8, c32(COPY_GRANULE)))))
+                if share:                  # its first row is g + 16 first: `first` K row steps on
+                    k_base = arith.addi(k_base, arith.muli(ptx.to_i64(first), c64(K_ROW_STEP)))
 
                 def chunk_at(c):            # the swizzled offset of chunk c (i32) within a 128-byte row
                     return ptx.to_i64(arith.muli(arith.xori(c, g8), c32(ptx.CHUNK_BYTES)))
 
-                pair = arith.muli(arith.remui(q, c32(4)), c32(2))         # the two chunks of a 16-byte load
-                first_chunk, second_chunk = chunk_at(pair), chunk_at(arith.addi(pair, c32(1)))
+                chunks = arith.muli(arith.remui(q, c32(4)), c32(2))       # the two chunks of a 16-byte load
+                first_chunk, second_chunk = chunk_at(chunks), chunk_at(arith.addi(chunks, c32(1)))
                 piece_of_q = arith.divui(q, c32(4))
                 scale_row = arith.addi(arith.muli(slot, c32(NUM_PARTS)), q)      # table row of part q
                 scale_base = arith.addi(ptx.address(scales_ref),
                                         ptx.to_i64(arith.muli(arith.muli(scale_row, c32(block_k)), c32(4))))
                 has_scale = arith.cmpi(lt, q, c32(NUM_PARTS))
+                # nvfp4: the odd elements' columns, 256 on (four pieces)
+                high_pieces = c64((NOPE_DIM // 2 // BF16_CHUNK_COLUMNS) * K_TILE_BYTES)
                 for r, (src, ok) in enumerate(zip(sources, valid)):
                     row_base = arith.addi(k_base, c64(r * K_ROW_STEP))
                     for m in range(nope[1] // (LANE_GROUP * ptx.CHUNK_BYTES)):
                         u = arith.addi(q, c32(LANE_GROUP * m))
                         words = ptx.load_16(arith.addi(src, ptx.to_i64(arith.muli(u, c32(ptx.CHUNK_BYTES)))), ok)
-                        values = [v for w in words for v in ptx.e4m3x4_to_bf16x4(w)]
                         piece = ptx.to_i64(arith.muli(arith.addi(piece_of_q, c32(2 * m)), c32(K_TILE_BYTES)))
                         at = arith.addi(row_base, piece)
-                        ptx.store_16(arith.addi(at, first_chunk), values[:4])
-                        ptx.store_16(arith.addi(at, second_chunk), values[4:])
+                        if kind == "fp8_tiles":
+                            values = [v for w in words for v in ptx.e4m3x4_to_bf16x4(w)]
+                            ptx.store_16(arith.addi(at, first_chunk), values[:4])
+                            ptx.store_16(arith.addi(at, second_chunk), values[4:])
+                            continue
+                        # groups 2 u (bytes 0-7 of the load) and 2 u + 1 (bytes 8-15)
+                        pair_at = arith.addi(c64(scales_at), ptx.to_i64(arith.muli(u, c32(2))))
+                        group_scales = ptx.e4m3x2_scales(ptx.load_2(arith.addi(src, pair_at), ok))
+                        low, high = [], []
+                        for k, w in enumerate(words):
+                            lo, hi = ptx.e2m1x8_to_bf16x8(w, group_scales[k // 2])
+                            low += lo
+                            high += hi
+                        for values, base in ((low, at), (high, arith.addi(at, high_pieces))):
+                            ptx.store_16(arith.addi(base, first_chunk), values[:4])
+                            ptx.store_16(arith.addi(base, second_chunk), values[4:])
                     rope = ptx.load_16(arith.addi(src, arith.addi(c64(rope_at), ptx.to_i64(
                         arith.muli(q, c32(ptx.CHUNK_BYTES))))), ok)
                     ptx.store_16(arith.addi(arith.addi(row_base, c64((NOPE_DIM // BF16_CHUNK_COLUMNS) * K_TILE_BYTES)),
                                             chunk_at(q)), rope)
+                    if kind != "fp8_tiles":
+                        continue
                     scale = ptx.load_4(arith.addi(src, arith.addi(c64(scales_at), ptx.to_i64(arith.muli(q, c32(4))))),
                                        arith.andi(ok, has_scale))
-                    ptx.store_4(arith.addi(scale_base, ptx.to_i64(arith.muli(arith.addi(g, c32(r * LANE_GROUPS)), c32(4)))),
-                                scale, has_scale)
+                    ptx.store_4(arith.addi(scale_base, ptx.to_i64(arith.muli(rows[r], c32(4)))), scale, has_scale)
                 ptx.fence_proxy_async()
                 ptx.arrive(ptx.barrier_address(bars, slot))
 
-            body(i, count, idx_ref.at[t], rec_u8, lane_bars, k_smem, scales_smem)
+            body(i, count, *share, idx_ref.at[t], rec_u8, lane_bars, k_smem, scales_smem)
 
         @pl.loop(0, num_tiles)
         def _tile(i):
@@ -534,8 +579,11 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
                     plgpu.barrier_wait(compat.barrier_at(slot_free, lax.rem(i, slots)))
 
                 ring_bar = compat.barrier_at(idx_bars, lax.rem(i, slots))
-                plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds(i * block_k, block_k)], idx_smem.at[lax.rem(i, slots)],
-                                        ring_bar, oob_mode=in_bounds)
+
+                @pl.when(mw == 0)
+                def _():
+                    plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds(i * block_k, block_k)],
+                                            idx_smem.at[lax.rem(i, slots)], ring_bar, oob_mode=in_bounds)
                 if not lanes:         # per-thread copies read their indices from GMEM; the masks wait
                     plgpu.barrier_wait(ring_bar)
             else:
@@ -769,11 +817,17 @@ def records_as(records: jax.Array, dtype) -> jax.Array:
 
 
 def converts_in_memory_warpgroup(layout: RecordLayout, config: MosaicAttentionTiles, interpret=False) -> bool:
-    """Whether the memory warpgroup converts fp8 records into two K tiles itself (compiled, with
-    per-thread copies and `k_slots=2`); interpreted, the same config converts in the compute
-    warpgroups through one raw slot."""
-    return (layout.kind == "fp8_tiles" and config.copy_issuers == LANES and config.k_slots == 2
+    """Whether the memory warpgroup converts fp8 or nvfp4 records into two K tiles itself
+    (compiled, with per-thread copies and `k_slots=2`); interpreted, the same config converts in
+    the compute warpgroups through one raw slot."""
+    return (layout.kind in ("fp8_tiles", "nvfp4_groups") and config.copy_issuers == LANES and config.k_slots == 2
             and not interpret)
+
+
+def memory_warpgroups_of(layout: RecordLayout, config: MosaicAttentionTiles, interpret=False) -> int:
+    """The kernel's memory warpgroups: `config.memory_warpgroups` where they convert the records,
+    else one."""
+    return config.memory_warpgroups if converts_in_memory_warpgroup(layout, config, interpret) else 1
 
 
 def fills_k_tiles(layout: RecordLayout, config: MosaicAttentionTiles, interpret=False) -> bool:
@@ -842,6 +896,7 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
     # two K tiles, Q and split scores' exchange took 236,656 bytes of SMEM against the H200's
     # 232,448: Q's RoPE columns (8 KB) move into registers
     rope_in_registers = slots > 1 and config.split_scores
+    memory_wgs = memory_warpgroups_of(layout, config, interpret)
     hp = -(-h // HEADS_PER_CTA) * HEADS_PER_CTA
     k = max(indices.shape[1], 1)
     kp = -(-k // block_k) * block_k
@@ -885,7 +940,7 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
                                num_records=n, record_bytes=layout.record_bytes, top_k=kp, block_k=block_k,
                                slots=slots, issuers=issuers, converted=converted, split=split,
                                rope_in_registers=rope_in_registers, compute_registers=config.compute_registers,
-                               memory_registers=config.memory_registers,
+                               memory_registers=config.memory_registers(memory_wgs), memory_wgs=memory_wgs,
                                interpret=bool(interpret))
     # the tile scales (fp8) and the exchange of split scores, minimal where unused (and then one
     # allocation: each is aligned on its own)
@@ -913,7 +968,7 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
     out, lse = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((t, hp, NOPE_DIM), out_dtype), jax.ShapeDtypeStruct((t, hp), jnp.float32)),
-        grid=(t, hp // HEADS_PER_CTA), grid_names=("t", "hb"), num_threads=3, thread_name="wg",
+        grid=(t, hp // HEADS_PER_CTA), grid_names=("t", "hb"), num_threads=2 + memory_wgs, thread_name="wg",
         scratch_types=smem + [
             plgpu.Barrier(num_arrivals=2 if rope_in_registers else 1, num_barriers=1),     # Q's copies
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
