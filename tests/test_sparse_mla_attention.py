@@ -146,8 +146,8 @@ def test_the_mosaic_kernel_keeps_the_nan_rule(name, split_scores, k_slots, copy_
 def check_the_nan_rule(name, implementation, k=K, selected_column=4, config=None, heads=16):
     """selected_column: where row 3 (of k columns) selects the NaN record (the Mosaic kernel's
     entries 32-63 of a tile are its second compute warpgroup's half when the scores are split;
-    with two memory warpgroups, each converts half of every 32); config: a kernel config, run through the kernels'
-    entry point instead of the public one."""
+    with two memory warpgroups, each converts half of every 32); config: a kernel config, run
+    through the kernels' entry point instead of the public one."""
     q, records, indices, counts, sm_scale = make_case(name, 4, heads, seed=3, k=k)
     q[0, 2, 7] = np.nan
     bad = N - 1
@@ -263,8 +263,8 @@ def test_the_mosaic_kernel_spans_several_tiles_and_keeps_large_scores_exact(name
     copies issued by the memory warpgroup as one, by its four warps and by each of its threads
     (interpreted: one issuer, over the four barriers), and with the scores computed by both compute
     warpgroups or split between them; bf16 records copied straight into one K tile, or into two in
-    turn; fp8 records converted by the memory warpgroup into two (split with two K tiles: Q's RoPE
-    columns in registers)."""
+    turn; fp8 and nvfp4 records converted by the memory warpgroup into two (split with two K
+    tiles: Q's RoPE columns in registers)."""
     check_three_tiles_of_large_scores(name, 16, MosaicAttentionTiles(copy_issuers=copy_issuers, split_scores=split_scores,
                                                                      k_slots=k_slots), kernel_mode, seed=13)
 

@@ -163,11 +163,11 @@ class MosaicAttentionTiles:
     # score of the tile (and the whole softmax)
     split_scores: bool = True
     # K tiles in flight where the memory warpgroup fills them: bf16 records (copied straight in)
-    # and, compiled with copy_issuers=128, fp8 records (converted there,
+    # and, compiled with copy_issuers=128, fp8 and nvfp4 records (converted there,
     # `converts_in_memory_warpgroup`).  2: the next tile is filled during this one's products.
     # With split scores the SMEM of two 64-row tiles leaves no room for Q's RoPE columns beside
     # the exchange: each compute warpgroup then holds them in registers (`rope_in_registers`).
-    # Otherwise (nvfp4; fp8 with bulk copies or interpreted) the records go through one raw slot,
+    # Otherwise (fp8 and nvfp4 with bulk copies or interpreted) the records go through one raw slot,
     # converted by the compute warpgroups into one K tile, whatever this says.
     k_slots: int = 1
     # setmaxnreg of each compute warpgroup; the memory warpgroups share what is left of the SM's
@@ -191,6 +191,8 @@ class MosaicAttentionTiles:
             raise TypeError(f"split_scores: expected a bool, got {self.split_scores!r}")
         if self.memory_warpgroups not in (1, 2):
             raise ValueError(f"memory_warpgroups: expected 1 or 2, got {self.memory_warpgroups!r}")
+        # the kernel runs one memory warpgroup where it does not convert (`memory_warpgroups_of`):
+        # the count must leave MIN_REGISTERS to each memory warpgroup either way
         most = min((register_budget(2 + m) - m * MIN_REGISTERS) // 2 for m in range(1, self.memory_warpgroups + 1))
         if not (isinstance(self.compute_registers, int) and self.compute_registers % 8 == 0
                 and MIN_REGISTERS <= self.compute_registers <= most):
@@ -278,9 +280,9 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
     heads = pl.ds(hb * HEADS_PER_CTA, HEADS_PER_CTA)
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
     direct = kind == "bf16"              # records copied straight into the K tile (`copies_into_k`)
-    # K tiles filled by the memory warpgroup (bf16: copied; fp8, `converted`: converted there), in
-    # a ring of `slots`, their indices through a ring too; else one raw slot converted by the
-    # compute warpgroups
+    # K tiles filled by the memory warpgroups (bf16: copied; fp8 and nvfp4, `converted`: converted
+    # there), in a ring of `slots`, their indices through a ring too; else one raw slot converted
+    # by the compute warpgroups
     filled = direct or converted
     k_smem = k_views[0]
     scales_smem, p_smem, maxes_smem, stats_smem = exchange
@@ -831,8 +833,9 @@ def memory_warpgroups_of(layout: RecordLayout, config: MosaicAttentionTiles, int
 
 
 def fills_k_tiles(layout: RecordLayout, config: MosaicAttentionTiles, interpret=False) -> bool:
-    """Whether the memory warpgroup fills the K tiles itself (bf16 copied, fp8 converted), so that
-    `config.k_slots` of them can be in flight; otherwise one raw slot feeds one K tile."""
+    """Whether the memory warpgroups fill the K tiles themselves (bf16 copied, fp8 and nvfp4
+    converted), so that `config.k_slots` of them can be in flight; otherwise one raw slot feeds
+    one K tile."""
     return copies_into_k(layout) or converts_in_memory_warpgroup(layout, config, interpret)
 
 
