@@ -27,9 +27,9 @@ def make_model(layers, heads, d_model, rng):
     return Model(params, heads, d_model, 576 ** -0.5)
 
 
-def mla_layer(model, fmt, dcp, axis, *, implementation=None, interpret: bool = False):
+def mla_layer(model, fmt, dcp, axis, *, implementation=None, interpret: bool = False, keys: str = "exact"):
     """The layer as one DCP rank sees it: its own heads, all-gathered before the output projection.
-    implementation, interpret: its attention's (`sparse_mla.attend`)."""
+    implementation, interpret, keys: its attention's (`sparse_mla.attend`)."""
     local = model.heads // dcp
 
     def project(p, x):
@@ -40,7 +40,7 @@ def mla_layer(model, fmt, dcp, axis, *, implementation=None, interpret: bool = F
 
     def attend(q, workspace, indices, counts):
         out, _ = sparse_mla.attend(q, workspace, indices, counts, model.sm_scale, fmt.layout, out_dtype=jnp.bfloat16,
-                                   implementation=implementation, interpret=interpret)
+                                   implementation=implementation, interpret=interpret, keys=keys)
         return out
 
     def finish(p, x, out):

@@ -70,33 +70,38 @@ def check_sm_scale(sm_scale):
 
 
 IMPLEMENTATIONS = SPARSE_MLA_ATTENTION.names
+# how record values reach the products (`keys=`): "exact" or "bf16" (see `sparse_mla_attention`)
+KEYS = attention_op.KEYS
 
 
 def attention_implementation(format: str | formats.RecordFormat, device: jax.Device, num_records: int,
                              num_tokens: int, num_heads: int, top_k: int, *,
-                             implementation: str | Sequence[str] | None = None, interpret: bool = False) -> str:
+                             implementation: str | Sequence[str] | None = None, interpret: bool = False,
+                             keys: str = "exact") -> str:
     """The name of the implementation `sparse_mla_attention` (and `attend`) runs on `device` for
     records of `format` and this shape (num_heads: those of one call, a rank's own on the
-    full-CKV path): for reports, e.g. which one `implementation=None` chose."""
-    fmt = formats.get(format)
-    return attention_op.select(dcp_step.static_implementation(implementation), device, fmt.layout,
-                               num_records * fmt.record_bytes, num_tokens, num_heads, top_k, interpret=interpret).name
+    full-CKV path): for reports, e.g. which one `implementation=None` chose (with keys="bf16", the
+    one that reads the dequantized bf16 records)."""
+    layout = attention_op.keys_layout(formats.get(format).layout, keys)
+    return attention_op.select(dcp_step.static_implementation(implementation), device, layout,
+                               num_records * layout.record_bytes, num_tokens, num_heads, top_k, interpret=interpret).name
 
 
 def attend(q, records, indices, counts, sm_scale, layout, *, implementation=None, interpret: bool = False,
-           device=None, out_dtype=jnp.float32):
+           device=None, out_dtype=jnp.float32, keys: str = "exact"):
     """The attention body (no checks; usable inside jit and shard_map): q [T, H, 576], records
     u8[N, R] of `layout`, indices i32[T, K], counts i32[T] -> (out [T, H, 512] out_dtype, lse
     f32[T, H]), by the implementation `implementation` selects (None: the measured choice for
     the device, else the first of a GPU kernel and XLA that runs there; `device` is where it
-    runs, default the default one)."""
+    runs, default the default one; keys: see `sparse_mla_attention`)."""
     return attention_op.sparse_mla_attention(q, records, indices, counts, sm_scale, layout=layout,
                                              implementation=implementation, interpret=interpret,
-                                             out_dtype=out_dtype, device=device)
+                                             out_dtype=out_dtype, device=device, keys=keys)
 
 
 def sparse_mla_attention(q, records, indices, counts, sm_scale, *, format: str | formats.RecordFormat,
-                         implementation: str | Sequence[str] | None = None, interpret: bool = False):
+                         implementation: str | Sequence[str] | None = None, interpret: bool = False,
+                         keys: str = "exact"):
     """Sparse MLA over selected records, by a kernel that reads the records directly.
 
     The semantics of `sparse_mla_reference` (this module's docstring), computed with bf16
@@ -112,20 +117,32 @@ def sparse_mla_attention(q, records, indices, counts, sm_scale, *, format: str |
         IMPLEMENTATIONS ("pallas_triton": the Triton kernel, every format; "pallas_mosaic_gpu":
         the warp-specialized wgmma kernel, every format, SM90+), or a sequence tried in order.
       interpret: run a Pallas kernel in interpret mode (CPU testing).
+      keys: how fp8 and nvfp4 record values reach the products (bf16 records: the same either way).
+        "exact": dequantized inside the kernel, every value exactly (fp8's tile scales multiply
+        the float32 products).  "bf16": the whole table dequantized first into bf16 records (each
+        value times its scale rounded to bf16; a temporary of N * 1152 bytes), then the attention
+        over those: the arithmetic of FlashMLA's kernels and of vLLM's prefill on Hopper.  Meant
+        for prefill over a gathered workspace, where each record is read by many query tokens
+        and the kernels then read bf16 records, which need no conversion; not for decode over
+        a paged cache, most of whose records no token selects.  nvfp4 values are exact in bf16,
+        so there only the speed differs.  Where scores are large, fp8's rounding shows: in the
+        tests' large-score case (lse up to 130) it moves the output by 1.5e-2 of a row's
+        largest |V| and the lse by 1.3e-2 relative (3.7e-3 and 2.3e-3 at q's normal scale).
     Returns:
       out bf16[T, H, 512], lse f32[T, H].
     """
     fmt = formats.get(format)
     check_attention_inputs(q, records, indices, counts, sm_scale, fmt)
+    attention_op.check_keys(keys)
     return _attention_jit(q, records, indices, counts, sm_scale, layout=fmt.layout,
                           implementation=dcp_step.static_implementation(implementation), interpret=interpret,
-                          device=selection.device_of(records))
+                          device=selection.device_of(records), keys=keys)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "implementation", "interpret", "device"))
-def _attention_jit(q, records, indices, counts, sm_scale, *, layout, implementation, interpret, device):
+@functools.partial(jax.jit, static_argnames=("layout", "implementation", "interpret", "device", "keys"))
+def _attention_jit(q, records, indices, counts, sm_scale, *, layout, implementation, interpret, device, keys):
     return attend(q, records, indices, counts, sm_scale, layout, implementation=implementation,
-                  interpret=interpret, device=device, out_dtype=jnp.bfloat16)
+                  interpret=interpret, device=device, out_dtype=jnp.bfloat16, keys=keys)
 
 
 def sparse_mla_reference(q, records, indices, counts, sm_scale, *, format: str | formats.RecordFormat):
@@ -172,17 +189,19 @@ def merge_partials(out, lse, axis_name: str):
 
 def full_ckv_attention(q, workspace, indices, counts, sm_scale, *, format: str | formats.RecordFormat, mesh,
                        axis_name: str = DCP_AXIS, implementation: str | Sequence[str] | None = None,
-                       interpret: bool = False):
+                       interpret: bool = False, keys: str = "exact"):
     """Full-CKV path: each rank runs its own H/D query heads over the whole gathered workspace.
 
     q: bf16[T, H, 576] (H divisible by D); workspace: u8[D * P, R] replicated; indices/counts from
     `remap_topk`.  Returns out bf16[T, H, 512], lse f32[T, H] (heads rank-major, as q), sharded
     by heads on an Auto-typed copy of `mesh`, so they index like ordinary arrays.
-    implementation, interpret: the attention's, as for `sparse_mla_attention`.
+    implementation, interpret, keys: the attention's, as for `sparse_mla_attention` (keys="bf16":
+    every rank dequantizes the whole workspace once, then its heads read the bf16 records).
     """
     fmt = formats.get(format)
     d = placement.mesh_axis_size(mesh, axis_name)
     check_attention_inputs(q, workspace, indices, counts, sm_scale, fmt, records_name="workspace")
+    attention_op.check_keys(keys)
     if q.shape[1] % d:
         raise ValueError(f"q: expected a head count divisible by the DCP size {d}, got {q.shape[1]}")
     mesh = placement.auto_axes(mesh)
@@ -190,7 +209,7 @@ def full_ckv_attention(q, workspace, indices, counts, sm_scale, *, format: str |
 
     def body(q_local, ws, idx, cnt):
         return attend(q_local, ws, idx, cnt, sm_scale, layout, implementation=implementation, interpret=interpret,
-                      device=placement.mesh_device(mesh), out_dtype=jnp.bfloat16)
+                      device=placement.mesh_device(mesh), out_dtype=jnp.bfloat16, keys=keys)
 
     specs = (P(None, axis_name), P(), P(), P())
     args = [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip((q, workspace, indices, counts), specs)]

@@ -21,15 +21,15 @@ from interop import bridge
 def sparse_mla_attention(q: torch.Tensor, records: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor,
                          sm_scale: float, *, format: str | formats.RecordFormat,
                          implementation: str | Sequence[str] | None = None,
-                         interpret: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         interpret: bool = False, keys: str = "exact") -> tuple[torch.Tensor, torch.Tensor]:
     """`ckv_jax.sparse_mla_attention` for torch tensors on one device (CUDA or CPU).
 
     Args:
       q: bf16|f16|f32[T, H, 576]; records: u8[N, R] of `format` (e.g. `adapter.gather(...)[:adapter.rows]`);
       indices: i32[T, K] rows of `records` (-1 or any row outside [0, N): a hole); counts: i32[T];
       sm_scale: positive and finite.
-      implementation, interpret: as for `ckv_jax.sparse_mla_attention` (None: the kernel on a
-        GPU, XLA elsewhere).
+      implementation, interpret, keys: as for `ckv_jax.sparse_mla_attention` (None: the kernel on
+        a GPU, XLA elsewhere; keys "exact" or "bf16").
     Returns:
       out bf16[T, H, 512], lse f32[T, H]: torch tensors on the inputs' device, in JAX's memory.
     """
@@ -39,5 +39,5 @@ def sparse_mla_attention(q: torch.Tensor, records: torch.Tensor, indices: torch.
     q, indices, counts = (bridge.to_jax(tensor, name=name, device=device)
                           for name, tensor in (("q", q), ("indices", indices), ("counts", counts)))
     out, lse = sparse_mla.sparse_mla_attention(q, table, indices, counts, sm_scale, format=format,
-                                               implementation=implementation, interpret=interpret)
+                                               implementation=implementation, interpret=interpret, keys=keys)
     return bridge.to_torch(out, name="out"), bridge.to_torch(lse, name="lse")

@@ -49,20 +49,20 @@ def test_bench_writes_json_and_plot_writes_pngs(tmp_path):
     proc = _run("bench", "--ops", "writer,gather,patch,prefill,attention", "--tokens", "128", "--formats", "nvfp4_ds_mla",
                 "--patterns", "random", "--chunk", "32", "--prefill-chunk", "32", "--depths", "0,1", "--layers", "1", "--context", "128",
                 "--heads", "16,32", "--attention-tokens", "4", "--attention-rows", "256", "--top-k", "32",
-                "--repeats", "2", "--out", str(out))
+                "--keys", "bf16,exact", "--repeats", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     import json
     data = json.loads(out.read_text())
     assert data["backend"] == "cpu" and data["command"].startswith("ckv-jax bench")
     ops = {r["op"] for r in data["results"]}
     assert ops == {"write_records", "gather_raw", "gather_dequant", "patch", "prefill_step", "attention"}
-    assert [(r["heads"], r["implementation"]) for r in data["results"] if r["op"] == "attention"] == [
-        (16, "xla"), (32, "xla")]
+    assert [(r["heads"], r["implementation"], r["keys"]) for r in data["results"] if r["op"] == "attention"] == [
+        (16, "xla", "bf16"), (16, "xla", "exact"), (32, "xla", "bf16"), (32, "xla", "exact")]
     assert all(r["exact"] for r in data["results"])
     steps = [r for r in data["results"] if r["op"] == "prefill_step"]
     assert [r["depth"] for r in steps] == [0, 1]
     for r in steps:                  # the step's shape as asked, its attention as selected, both timings
-        assert (r["heads"], r["top_k"], r["attention"], r["chunk"]) == (8, 32, "xla", 32), r
+        assert (r["heads"], r["top_k"], r["attention"], r["chunk"], r["keys"]) == (8, 32, "xla", 32, "bf16"), r
         assert r["us"] > 0 and 0 < r["gather_us"] and r["gather_share_pct"] is not None
     assert steps[0]["gather_share_pct"] == pytest.approx(100 * steps[0]["gather_us"] / steps[0]["us"])
     assert steps[1]["gather_share_pct"] == pytest.approx(
@@ -82,7 +82,7 @@ def test_version_and_helps_document_every_option():
                                        "--chunk", "--requests", "--heads", "--d-model", "--topk", "--block-size",
                                        "--attention", "--seed"]),
                              ("bench", ["--ops", "--tokens", "--formats", "--patterns", "--chunk", "--prefill-chunk",
-                                        "--prefill-heads", "--prefill-attention", "--depths", "--layers",
+                                        "--prefill-heads", "--prefill-attention", "--keys", "--depths", "--layers",
                                         "--context", "--heads", "--attention-tokens",
                                         "--attention-rows", "--top-k", "--repeats", "--interpret", "--out"]),
                              ("plot", ["--out-dir"])]:
@@ -110,6 +110,7 @@ def test_version_and_helps_document_every_option():
     (["bench", "--tokens", "0"], "argument --tokens: expected positive integers, got '0'"),
     (["bench", "--ops", "gather", "--tokens", "32"], "--tokens: the gathers move whole 64-record pages"),
     (["bench", "--ops", "prefill", "--prefill-attention", "cuda"], "argument --prefill-attention: invalid choice"),
+    (["bench", "--keys", "fp16"], "argument --keys: expected distinct keys among exact, bf16, got 'fp16'"),
     (["demo", "--depth", "10"], "--depth 10: at most --layers - 1 = 3"),
     (["demo", "--context", "100000000"], "needs about"),
     (["demo", "--format", "fp9"], "argument --format: format: unknown record format 'fp9'"),

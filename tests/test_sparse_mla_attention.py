@@ -24,10 +24,14 @@ MOSAIC = "fp8_ds_mla"      # the format of the Mosaic GPU kernel's tests that ru
 
 
 @np.errstate(invalid="ignore", over="ignore")
-def oracle_attention(name, q, records, indices, counts, sm_scale):
+def oracle_attention(name, q, records, indices, counts, sm_scale, keys="exact"):
     """float64 (out [T, H, 512], lse [T, H], vmax [T]) of the contract, from `oracle.decode`;
-    vmax: the largest |V| a row averages (its output's scale: a convex combination of V rows)."""
-    kv = oracle.decode(name, np.asarray(records)).astype(np.float64)          # [N, 576]
+    vmax: the largest |V| a row averages (its output's scale: a convex combination of V rows).
+    keys="bf16": every decoded value first rounded to bf16 (to nearest, ties to even)."""
+    kv = oracle.decode(name, np.asarray(records))                               # [N, 576]
+    if keys == "bf16":
+        kv = kv.astype(ml_dtypes.bfloat16)
+    kv = kv.astype(np.float64)
     q = np.asarray(q, np.float32).astype(np.float64)
     t, h, _ = q.shape
     out, lse, vmax = np.zeros((t, h, 512)), np.full((t, h), -np.inf), np.zeros(t)
@@ -233,6 +237,45 @@ def test_bad_input_is_named_before_anything_runs():
             call(q, records, indices, counts, bad, format="fp8_ds_mla")
     with pytest.raises(ValueError, match=r"implementation: expected one of \['pallas_mosaic_gpu', 'pallas_triton', 'xla'\]"):
         call(q, records, indices, counts, sm_scale, format="fp8_ds_mla", implementation="flashmla")
+    with pytest.raises(ValueError, match=r"keys: expected one of \('exact', 'bf16'\), got 'fp16'"):
+        call(q, records, indices, counts, sm_scale, format="fp8_ds_mla", keys="fp16")
+
+
+BF16_KEYS_CASES = [(name, scale) for name in ("fp8_ds_mla", "nvfp4_ds_mla") for scale in (1, 16)]
+
+
+def check_bf16_keys(name, scale, kernel):
+    """keys="bf16" against the oracle of keys rounded to bf16: at q's normal scale and at 16 times
+    it (the case of `test_large_scores_keep_their_precision`, an lse near 130, where the rounding
+    of fp8's keys moves the exact output by 1.5e-2 of a row's largest |V| and its lse by 1.3e-2,
+    beyond the tolerance: there only the rounded oracle holds)."""
+    q, records, indices, counts, sm_scale = make_case(name, 3, 16, seed=11)
+    q = (q.astype(np.float32) * scale).astype(ml_dtypes.bfloat16)
+    got = ckv_jax.sparse_mla_attention(jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices),
+                                       jnp.asarray(counts), sm_scale, format=name, keys="bf16", **kernel)
+    assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
+    assert_close(name, got, oracle_attention(name, q, records, indices, counts, sm_scale, keys="bf16"),
+                 f"{name} bf16 keys, q x {scale}, {kernel}")
+
+
+@pytest.mark.parametrize("name, scale", BF16_KEYS_CASES)
+def test_bf16_keys_are_the_records_rounded_to_bf16(name, scale, implementation):
+    check_bf16_keys(name, scale, implementation)
+
+
+@pytest.mark.parametrize("name, scale", BF16_KEYS_CASES)
+def test_the_mosaic_kernel_over_bf16_keys(name, scale, kernel_mode):
+    check_bf16_keys(name, scale, dict(implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret"))
+
+
+def test_bf16_keys_leave_bf16_records_as_they_are():
+    """bf16 records' values are bf16 already: keys="bf16" runs the same attention, bit for bit."""
+    q, records, indices, counts, sm_scale = (jnp.asarray(a) if isinstance(a, np.ndarray) else a
+                                             for a in make_case("bf16", 3, 16, seed=17))
+    exact, rounded = (ckv_jax.sparse_mla_attention(q, records, indices, counts, sm_scale, format="bf16",
+                                                   implementation="xla", keys=keys) for keys in ("exact", "bf16"))
+    for a, b in zip(exact, rounded):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.parametrize("heads", [16, 128, 5])
@@ -466,17 +509,19 @@ def test_the_automatic_choice_is_a_kernel_where_one_runs_compiled(device, name, 
     assert set(sparse_mla.IMPLEMENTATIONS) == {"pallas_mosaic_gpu", "pallas_triton", "xla"}
 
 
-def test_full_ckv_attention_runs_the_kernel(kernel_mode):
-    """The full-CKV path with the Pallas kernel (each rank its heads) against the oracle: two CPU
-    ranks interpreted, every GPU compiled."""
+@pytest.mark.parametrize("name, keys", [("nvfp4_ds_mla", "exact"), ("fp8_ds_mla", "bf16")])
+def test_full_ckv_attention_runs_the_kernel(name, keys, kernel_mode):
+    """The full-CKV path with the Pallas kernel (each rank its heads; bf16 keys: each rank's
+    dequantized workspace) against the oracle: two CPU ranks interpreted, every GPU compiled."""
     from helpers import mesh_of
-    name = "nvfp4_ds_mla"
     q, records, indices, counts, sm_scale = make_case(name, 3, 32, seed=5)
     ranks = 2 if kernel_mode == "interpret" else len(jax.devices())
     got = sparse_mla.full_ckv_attention(jnp.asarray(q), jnp.asarray(records), jnp.asarray(indices),
                                         jnp.asarray(counts), sm_scale, format=name, mesh=mesh_of(ranks),
-                                        implementation="pallas_triton", interpret=kernel_mode == "interpret")
-    assert_close(name, got, oracle_attention(name, q, records, indices, counts, sm_scale), "full_ckv_attention")
+                                        implementation="pallas_triton", interpret=kernel_mode == "interpret",
+                                        keys=keys)
+    assert_close(name, got, oracle_attention(name, q, records, indices, counts, sm_scale, keys=keys),
+                 f"full_ckv_attention, {keys} keys")
 
 
 def test_the_mosaic_kernel_on_both_dcp_paths(kernel_mode):

@@ -4,7 +4,9 @@ implementation against the bf16 matmul rate of the same run.
 T query tokens, each with its own top-k of `top_k` distinct random rows of a table of `rows`
 real records (a gathered workspace, or a paged cache viewed flat), all rows valid; FLOPs counted
 as FlashMLA counts them, 2 T H K (576 + 512).  Each implementation's output is checked first
-against the XLA implementation on the first input (`agrees`; `exact` in the row).  Timed with
+against the XLA implementation on the first input (`agrees`; `exact` in the row).  With
+keys="bf16" (fp8 and nvfp4 records) each implementation also runs over the table dequantized to
+bf16 records first, the dequantization inside the timed call (`keys` in the row).  Timed with
 `timing.measure_pure` (host clock and device timeline) over R calls on R different query and
 index sets.  The ceiling: a bf16 [8192, 8192] x [8192, 8192]
 matmul timed the same way.
@@ -19,7 +21,7 @@ from ckv_jax import formats
 from ckv_jax.benchmarks import report
 from ckv_jax.benchmarks.timing import measure_pure
 from pallas_kernels.sparse_mla_attention import SPARSE_MLA_ATTENTION, flops, sparse_mla_attention
-from pallas_kernels.sparse_mla_attention.api import reading
+from pallas_kernels.sparse_mla_attention.api import keys_layout, reading
 
 REPEATS = 3
 
@@ -70,9 +72,12 @@ def agrees(got, want) -> bool:
         1.0, np.abs(ref_lse).max()))
 
 
-def run(heads_list, names, tokens: int, top_k: int, rows: int, log=print, interpret: bool = False) -> list[dict]:
-    """One row per (format, heads, implementation); interpret: off a GPU, also the Pallas kernel in
-    interpret mode (rows marked mode="interpret", without a % of the matmul rate)."""
+def run(heads_list, names, tokens: int, top_k: int, rows: int, log=print, interpret: bool = False,
+        keys_list=("exact",)) -> list[dict]:
+    """One row per (format, heads, implementation, keys); interpret: off a GPU, also the Pallas
+    kernel in interpret mode (rows marked mode="interpret", without a % of the matmul rate);
+    keys_list: the `keys` of the attention ("bf16": not for bf16 records, whose keys are bf16
+    either way)."""
     device = jax.devices()[0]
     ceiling = matmul_rate(8192 if device.platform == "gpu" else 512)
     log(f"  bf16 matmul: {ceiling['tflops']:.3g} TFLOP/s"
@@ -86,17 +91,18 @@ def run(heads_list, names, tokens: int, top_k: int, rows: int, log=print, interp
             work = flops(tokens, heads, top_k, fmt.layout)
             reference = sparse_mla_attention(inputs[0][0], records, *inputs[0][1:], 576 ** -0.5, layout=fmt.layout,
                                              implementation="xla")
-            for impl in SPARSE_MLA_ATTENTION.default_order:
-                if impl not in reading(fmt.layout):
-                    continue
+            cases = [(impl, keys) for keys in keys_list for impl in SPARSE_MLA_ATTENTION.default_order
+                     if impl in reading(keys_layout(fmt.layout, keys))
+                     and (keys == "exact" or fmt.quantized)]
+            for impl, keys in cases:
                 mode = report.run_mode(SPARSE_MLA_ATTENTION, impl, device, records.size, interpret, log)
                 if mode is None:
                     continue
                 interpreted = mode == "interpret"
 
-                def op(q, records, indices, counts, impl=impl, interpreted=interpreted):
+                def op(q, records, indices, counts, impl=impl, interpreted=interpreted, keys=keys):
                     return sparse_mla_attention(q, records, indices, counts, 576 ** -0.5, layout=fmt.layout,
-                                                implementation=impl, interpret=interpreted)
+                                                implementation=impl, interpret=interpreted, keys=keys)
 
                 # the records go in as an argument: closed over, every compiled program carried
                 # the table as a constant (688 MB at 1M rows, where one compile took 33 s, not 11)
@@ -104,7 +110,7 @@ def run(heads_list, names, tokens: int, top_k: int, rows: int, log=print, interp
                 checked = agrees(jax.jit(op)(*calls[0]), reference)
                 timing = measure_pure(op, calls)
                 row = dict(op="attention", format=name, tokens=tokens, heads=heads, top_k=top_k, rows=rows,
-                           implementation=impl, exact=checked, us=timing.seconds * 1e6, flops=work,
+                           implementation=impl, keys=keys, exact=checked, us=timing.seconds * 1e6, flops=work,
                            tflops=work / timing.seconds / 1e12, matmul_tflops=ceiling["tflops"])
                 if interpreted:
                     row["mode"] = "interpret"
@@ -116,7 +122,7 @@ def run(heads_list, names, tokens: int, top_k: int, rows: int, log=print, interp
                                    device_matmul_tflops=ceiling["device_tflops"])
                         row["device_pct_of_matmul"] = 100 * row["device_tflops"] / ceiling["device_tflops"]
                 results.append(row)
-                log(f"  attention {name} T={tokens} H={heads} K={top_k} {impl}: {row['us']:.1f} us, "
+                log(f"  attention {name} T={tokens} H={heads} K={top_k} {impl} ({keys} keys): {row['us']:.1f} us, "
                     f"{row['tflops']:.3g} TFLOP/s" + (f", device {row['device_tflops']:.3g} TFLOP/s "
                                                        f"({row['device_pct_of_matmul']:.0f}% of matmul)"
                                                        if "device_tflops" in row else "")

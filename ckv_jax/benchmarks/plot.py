@@ -125,7 +125,8 @@ def main(argv=None) -> int:
         series = {}
         for r in attention:
             rate = r.get("device_tflops", r["tflops"])
-            series.setdefault(("attention", r.get("mode", ""), r["format"], r["implementation"]), []).append(
+            impl = r["implementation"] + (" bf16 keys" if r.get("keys") == "bf16" else "")
+            series.setdefault(("attention", r.get("mode", ""), r["format"], impl), []).append(
                 (r["heads"], rate))
         styles = line_styles(series)
         for key, pts in sorted(series.items()):

@@ -55,11 +55,12 @@ def collective_schedule(hlo_text: str) -> dict:
     return dict(async_all_gathers=len(gaps), sync_all_gathers=sync, instructions_between_start_and_done=gaps)
 
 
-def run(depths, fmt_name, layers, context, chunk, log, *, heads=None, top_k=2048, attention=None):
+def run(depths, fmt_name, layers, context, chunk, log, *, heads=None, top_k=2048, attention=None, keys="exact"):
     """Step time of `prefill_layers` per depth on the local devices (one request of `context`
     tokens, the last `chunk` of them the step's queries).  heads: query heads of the model
     (default 8 per device; divisible by the device count); top_k: rows per query token;
-    attention: the attention implementation (None: the library's choice)."""
+    attention: the attention implementation (None: the library's choice); keys: the attention's
+    (`sparse_mla.KEYS`)."""
     fmt = formats.get(fmt_name)
     devices = jax.devices()
     dcp = len(devices)
@@ -71,8 +72,8 @@ def run(depths, fmt_name, layers, context, chunk, log, *, heads=None, top_k=2048
     rng = np.random.default_rng(0)
     model = make_model(layers, heads, 256, rng)
     chosen = attention_implementation(fmt, devices[0], context, chunk, heads // dcp, top_k,
-                                      implementation=attention)
-    layer = mla_layer(model, fmt, dcp, DCP_AXIS, implementation=chosen)
+                                      implementation=attention, keys=keys)
+    layer = mla_layer(model, fmt, dcp, DCP_AXIS, implementation=chosen, keys=keys)
     plan = build_step_plan(layout, np.array([context]), np.array([chunk]), max_tokens=context)
     blocks = -(-(-(-context // dcp)) // 64)
     table = np.arange(blocks, dtype=np.int32)[None, :]
@@ -109,12 +110,12 @@ def run(depths, fmt_name, layers, context, chunk, log, *, heads=None, top_k=2048
         step_s, schedule = seconds[depth], schedules[depth]
         share = None if 0 not in depths else 100 * (step_s - (seconds[0] - gather_s)) / step_s
         results.append(dict(op="prefill_step", format=fmt_name, tokens=context, chunk=chunk, layers=layers,
-                            dcp=dcp, depth=depth, heads=heads, top_k=top_k, attention=chosen,
+                            dcp=dcp, depth=depth, heads=heads, top_k=top_k, attention=chosen, keys=keys,
                             implementation="prefill_layers", us=step_s * 1e6, gather_us=gather_s * 1e6,
                             gather_share_pct=share, attention_tflops=flops / step_s / 1e12,
                             exact=bool(np.array_equal(outputs[depth], outputs[depths[0]])), **schedule))
         log(f"  prefill depth {depth}: {step_s * 1e3:.2f} ms per step ({layers} layers, context {context}, "
-            f"chunk {chunk}, {heads} heads, top-k {top_k}, D={dcp}, attention {chosen}); gathers alone "
+            f"chunk {chunk}, {heads} heads, top-k {top_k}, D={dcp}, attention {chosen}, {keys} keys); gathers alone "
             f"{gather_s * 1e3:.2f} ms" + ("" if share is None else f", {share:.1f}% of the step exposed")
             + f"; all-gathers async {schedule['async_all_gathers']}, sync {schedule['sync_all_gathers']}")
     return results

@@ -73,6 +73,15 @@ def depth_list(text):
     return values
 
 
+def key_list(text):
+    """An argparse type: comma-separated `keys` of the attention (`sparse_mla.KEYS`)."""
+    values = str(text).split(",")
+    bad = [v for v in values if v not in sparse_mla.KEYS]
+    if bad or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct keys among {', '.join(sparse_mla.KEYS)}, got {text!r}")
+    return values
+
+
 def format_names(text):
     """An argparse type: comma-separated record format names or aliases -> canonical names."""
     names = []
@@ -180,6 +189,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-attention", choices=("auto",) + sparse_mla.IMPLEMENTATIONS, default="auto",
                     help="[prefill] the step's attention: auto (the library's choice: a kernel on a GPU, XLA "
                          "elsewhere) or an implementation")
+    ap.add_argument("--keys", type=key_list, default="exact",
+                    help="[attention, prefill] how fp8 and nvfp4 values reach the products: exact (dequantized "
+                         "in the kernel), bf16 (the table dequantized to bf16 records first), or both "
+                         "(exact,bf16); prefill: the first")
     ap.add_argument("--depths", type=depth_list, default=default["depths"], help="[prefill] prefetch depths")
     ap.add_argument("--layers", type=positive_int, default=default["layers"], help="[prefill] layers")
     ap.add_argument("--context", type=positive_int, default=default["context"],
@@ -222,11 +235,12 @@ def main(argv=None) -> int:
         elif op == "patch":
             results += patch_results([tokens], [name], args.chunk, args.repeats, log, args.interpret)
         elif op == "attention":
-            results += attention.run(args.heads, [name], tokens, args.top_k, args.attention_rows, log, args.interpret)
+            results += attention.run(args.heads, [name], tokens, args.top_k, args.attention_rows, log, args.interpret,
+                                     keys_list=args.keys)
         else:
             results += prefill.run(args.depths, name, args.layers, args.context,
                                    min(args.prefill_chunk, args.context), log, heads=args.prefill_heads,
-                                   top_k=args.top_k,
+                                   top_k=args.top_k, keys=args.keys[0],
                                    attention=None if args.prefill_attention == "auto" else args.prefill_attention)
         progress.step(f"{op} {name} {tokens} tokens")
         with open(args.out, "w") as f:                   # after every unit, so a cut-off sweep keeps its figures
@@ -234,9 +248,10 @@ def main(argv=None) -> int:
     for r in results:
         times = report.timing_text(r) if "gbps" in r else f"{r['us']:.1f} us"
         if r["op"] == "attention":
-            times += f" {r['tflops']:.3g} TFLOP/s, H={r['heads']}" + (" (interpret mode)" if r.get("mode") else "")
+            times += f" {r['tflops']:.3g} TFLOP/s, H={r['heads']}, {r['keys']} keys" + (
+                " (interpret mode)" if r.get("mode") else "")
         if r["op"] == "prefill_step":
-            times += f", attention {r['attention']} {r['attention_tflops']:.3g} TFLOP/s" + (
+            times += f", attention {r['attention']} ({r['keys']} keys) {r['attention_tflops']:.3g} TFLOP/s" + (
                 "" if r["gather_share_pct"] is None else f", gathers exposed {r['gather_share_pct']:.1f}%")
         print(f"{r['op']:<14} {r['format']:<13} {r['tokens']:>8} {r.get('depth', r.get('pattern', '')):<10} "
               f"{r['implementation']:<19} {times} exact={r['exact']}")

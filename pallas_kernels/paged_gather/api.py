@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import compat, selection
 from pallas_kernels.paged_gather import pallas_mosaic_gpu, pallas_triton
@@ -117,6 +118,28 @@ def gather_dequant(cache: jax.Array, block_table: jax.Array, cu_lens: jax.Array,
                                 num_rows * (cache.shape[-1] + 2 * layout.value_dim), interpret=interpret,
                                 config=config)
     return run(cache, block_table, cu_lens, num_rows=num_rows, layout=layout, interpret=interpret)
+
+
+# the page size a flat table is dequantized in: one block-table read per this many rows
+DEQUANTIZE_PAGE_ROWS = 64
+
+
+def dequantize_records(records: jax.Array, *, layout: RecordLayout, implementation: str | Sequence[str] | None = None,
+                       interpret: bool = False, config: GatherTiles | None = None,
+                       device: jax.Device | None = None) -> jax.Array:
+    """u8[N, R] records of `layout`, every row -> bf16[N, nope_dim + rope_dim] (the bf16 record's
+    values; NoPE rounded once, RoPE bit-exact): `gather_dequant` over the table seen as one
+    request on pages of the largest power of two up to DEQUANTIZE_PAGE_ROWS rows dividing N, in
+    order (a view and a [1, N / page] block table: no copy of the records)."""
+    n, record_bytes = records.shape
+    page = 1
+    while page < DEQUANTIZE_PAGE_ROWS and n % (2 * page) == 0:
+        page *= 2
+    table = jnp.arange(n // page, dtype=jnp.int32)[None, :]
+    cu_lens = jnp.array([0, n], jnp.int32)
+    return gather_dequant(records.reshape(n // page, page, record_bytes), table, cu_lens, num_rows=n, layout=layout,
+                          implementation=implementation, interpret=interpret, config=config,
+                          device=device or selection.device_of(records))
 
 
 def gather_slots(cache: jax.Array, slots: jax.Array, *, implementation: str | Sequence[str] | None = None,

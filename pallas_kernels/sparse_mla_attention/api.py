@@ -23,8 +23,9 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from pallas_kernels import compat, selection
+from pallas_kernels import compat, paged_gather, selection
 from pallas_kernels.record_layout import RecordLayout
 from pallas_kernels.sparse_mla_attention import pallas_mosaic_gpu, pallas_triton
 from pallas_kernels.sparse_mla_attention.pallas_mosaic_gpu import MosaicAttentionTiles
@@ -87,15 +88,42 @@ def flops(num_tokens: int, num_heads: int, top_k: int, layout: RecordLayout) -> 
     return 2 * num_tokens * num_heads * top_k * (layout.value_dim + layout.nope_dim)
 
 
+# How record values reach the products: "exact" (each kernel dequantizes in its loop, and every
+# value reaches the float32 products exactly: fp8's tile scales multiply the products), "bf16"
+# (the table dequantized to bf16 records first, each value times its scale rounded to bf16, then
+# the attention over bf16 records: FlashMLA's arithmetic, and vLLM's prefill path on Hopper)
+KEYS = ("exact", "bf16")
+
+
+def check_keys(keys):
+    if keys not in KEYS:
+        raise ValueError(f"keys: expected one of {KEYS}, got {keys!r}")
+
+
+def keys_layout(layout: RecordLayout, keys: str) -> RecordLayout:
+    """The layout of the records the kernels read for `keys`: the records' own, or with "bf16" the
+    bf16 records their table is dequantized into."""
+    check_keys(keys)
+    return layout if keys == "exact" else pallas_mosaic_gpu.BF16
+
+
 def sparse_mla_attention(q, records, indices, counts, sm_scale, *, layout: RecordLayout,
                          implementation: str | Sequence[str] | None = None, interpret: bool = False,
                          config: AttentionTiles | MosaicAttentionTiles | None = None, out_dtype=jnp.bfloat16,
-                         device: jax.Device | None = None):
+                         device: jax.Device | None = None, keys: str = "exact"):
     """Unchecked entry (`ckv_jax.sparse_mla_attention` checks): (out [T, H, nope_dim] out_dtype,
-    lse f32[T, H]).  device: where it runs (default: the records'; pass it inside jit)."""
-    run = select(implementation, device or selection.device_of(records), layout, records.size, q.shape[0],
-                 q.shape[1], indices.shape[1], interpret=interpret, config=config)
-    return run(q, records, indices, counts, sm_scale, layout=layout, out_dtype=out_dtype, interpret=interpret)
+    lse f32[T, H]).  device: where it runs (default: the records'; pass it inside jit).
+    keys: see KEYS; "bf16" with quantized records first dequantizes all N rows
+    (`paged_gather.dequantize_records`, a bf16[N, 576] table of N * 1152 bytes): meant for
+    prefill over a gathered workspace, where each record is read by many query tokens."""
+    device = device or selection.device_of(records)
+    read_layout = keys_layout(layout, keys)
+    if read_layout != layout:
+        table = paged_gather.dequantize_records(records, layout=layout, interpret=interpret, device=device)
+        records = lax.bitcast_convert_type(table, jnp.uint8).reshape(table.shape[0], read_layout.record_bytes)
+    run = select(implementation, device, read_layout, records.size, q.shape[0], q.shape[1], indices.shape[1],
+                 interpret=interpret, config=config)
+    return run(q, records, indices, counts, sm_scale, layout=read_layout, out_dtype=out_dtype, interpret=interpret)
 
 
 def select(implementation: str | Sequence[str] | None, device: jax.Device, layout: RecordLayout, records_bytes: int,
