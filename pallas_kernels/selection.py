@@ -96,7 +96,8 @@ class KernelOp:
                default_order: Sequence[str] | None = None) -> Selected:
         """The first supported implementation of the candidates on `device` (see `candidates`),
         with `config` if given, else the measured tiles for `work_bytes`, else None (the kernel's
-        default).  buffer_bytes: the largest buffer the kernel addresses (the cache)."""
+        default).  buffer_bytes: the size of the largest buffer the kernel addresses, in elements
+        of its dtype (a uint8 cache's bytes; an output's values)."""
         names, entry = self.candidates(implementation, device, work_bytes, skip, default_order)
         reasons = []
         for name in names:
@@ -130,14 +131,15 @@ def _pallas_backend(module, import_error: str | None, name: str, device: jax.Dev
 
 def triton_supported(device: jax.Device, nbytes: int, interpret: bool) -> tuple[bool, str]:
     """Pallas Triton runs compiled on a GPU, or in interpret mode anywhere; compiled, it addresses
-    a uint8 buffer of [2**31, 2**32] bytes with sign-extended int32 element offsets, so such
-    caches go to another implementation."""
+    a buffer of [2**31, 2**32] elements (a uint8 one's bytes) with sign-extended int32 element
+    offsets, so kernels with such a buffer (`nbytes`: the largest's elements) go to another
+    implementation."""
     verdict = _pallas_backend(compat.pltriton, compat.TRITON_IMPORT_ERROR, "triton", device, interpret)
     if verdict is not None:
         return verdict
     if 2 ** 31 <= nbytes <= 2 ** 32:
-        return False, (f"cache of {nbytes} bytes lies in [2**31, 2**32], where Pallas Triton "
-                       "addresses uint8 buffers with sign-extended int32 offsets")
+        return False, (f"a buffer of {nbytes} elements lies in [2**31, 2**32], where Pallas Triton "
+                       "addresses elements with sign-extended int32 offsets")
     return True, ""
 
 

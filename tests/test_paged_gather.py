@@ -93,6 +93,21 @@ def test_dequantize_records_decodes_every_row(name, rows, implementation):
     assert_bf16_bits_equal(np.asarray(got), want.astype(jnp.bfloat16), f"{name}, {rows} rows")
 
 
+def test_triton_is_left_out_where_any_buffer_has_wrapping_offsets():
+    """Pallas Triton's int32 element offsets wrap in buffers of [2**31, 2**32] elements: the
+    automatic choice looks at the largest of the cache and the output (a ring slot written in
+    place, the bf16 values of a dequantization), not at the cache alone."""
+    from helpers import FakeDevice
+    gpu, fp8 = FakeDevice(), formats.get("fp8_ds_mla")
+    small, rows = 2 ** 30, 2 ** 20
+    assert paged_gather.select_records(None, gpu, small, rows, fp8.record_bytes).name == "pallas_triton"
+    assert paged_gather.select_records(None, gpu, small, rows, fp8.record_bytes, out_rows=4 * rows).name == "xla"
+    assert paged_gather.select_records(None, gpu, 3 * 2 ** 30, rows, fp8.record_bytes).name == "xla"
+    assert paged_gather.select_dequant(None, gpu, small, rows, fp8.record_bytes, fp8.layout).name == "pallas_triton"
+    # 4M rows of 576 bf16 values: 2.4e9 elements, from a cache below 2**31 bytes
+    assert paged_gather.select_dequant(None, gpu, small, 4 * rows, fp8.record_bytes, fp8.layout).name == "xla"
+
+
 def test_gather_with_more_rows_than_tiles_and_empty_requests(records_implementation):
     fmt, cache, table, cu, _ = _case("fp8_ds_mla", seed=2)
     cu_empty = np.zeros_like(cu)

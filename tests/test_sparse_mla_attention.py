@@ -220,6 +220,22 @@ def test_two_memory_warpgroups_where_they_convert():
     assert of(fp8, MosaicAttentionTiles(copy_issuers=4, k_slots=2, memory_warpgroups=2)) == 1
 
 
+def test_triton_is_left_out_where_a_buffer_has_wrapping_offsets():
+    """Pallas Triton's int32 element offsets wrap in buffers of [2**31, 2**32] elements: the
+    automatic choice weighs the queries and the output (heads padded) beside the records."""
+    gpu, layout = FakeDevice(), formats.get("fp8_ds_mla").layout
+
+    def choose(tokens, heads, implementation=None):
+        return attention_op.api.select(implementation, gpu, layout, 2 ** 30, tokens, heads, 2048).name
+
+    assert choose(32768, 8) == "pallas_triton"
+    # 8 heads padded to 64: 2.4e9 query values; the next in the default order is taken
+    assert choose(65536, 8) == "pallas_mosaic_gpu"
+    assert choose(65536, 8, ("pallas_triton", "xla")) == "xla"
+    assert choose(32768, 120, ("pallas_triton", "xla")) == "xla"        # 128 padded heads
+    assert choose(16384, 120, ("pallas_triton", "xla")) == "pallas_triton"
+
+
 def test_bad_input_is_named_before_anything_runs():
     q, records, indices, counts, sm_scale = (jnp.asarray(a) if isinstance(a, np.ndarray) else a
                                              for a in make_case("fp8_ds_mla", 2, 16, seed=1))

@@ -75,16 +75,27 @@ GATHER_SLOTS = _op("gather_slots", _slots_triton, _slots_xla)
 
 
 def select_records(implementation, device: jax.Device, cache_bytes: int, num_rows: int, record_bytes: int, *,
-                   num_reqs: int = 1, into: bool = False, interpret: bool = False,
+                   num_reqs: int = 1, out_rows: int | None = None, interpret: bool = False,
                    config: GatherTiles | None = None) -> selection.Selected:
-    """The raw paged gather's choice for a pack of `num_rows` records (`gather_records`' rule).
+    """The raw paged gather's choice for a pack of `num_rows` records (`gather_records`' rule);
+    out_rows: the rows of the buffer it writes into in place (None: a fresh one of num_rows).
 
     The Mosaic GPU grid has a CTA per page slot per request (mostly empty ones for several
     requests) and was measured with one request, and it writes a fresh output only: the
-    automatic choice skips it for several requests or a gather `into` a given buffer."""
-    skip = ("pallas_mosaic_gpu",) if num_reqs > 1 or into else ()
-    return GATHER_RECORDS.select(implementation, device, cache_bytes, 2 * num_rows * record_bytes,
+    automatic choice skips it for several requests or a gather into a given buffer."""
+    skip = ("pallas_mosaic_gpu",) if num_reqs > 1 or out_rows is not None else ()
+    largest = max(cache_bytes, (num_rows if out_rows is None else out_rows) * record_bytes)
+    return GATHER_RECORDS.select(implementation, device, largest, 2 * num_rows * record_bytes,
                                  interpret=interpret, config=config, skip=skip)
+
+
+def select_dequant(implementation, device: jax.Device, cache_bytes: int, num_rows: int, record_bytes: int,
+                   layout: RecordLayout, *, interpret: bool = False,
+                   config: GatherTiles | None = None) -> selection.Selected:
+    """The dequantizing gather's choice for `num_rows` rows of bf16 values (`gather_dequant`'s
+    rule); the largest buffer is the cache (its bytes) or the output (its bf16 values)."""
+    return GATHER_DEQUANT.select(implementation, device, max(cache_bytes, num_rows * layout.value_dim),
+                                 num_rows * (record_bytes + 2 * layout.value_dim), interpret=interpret, config=config)
 
 
 def gather_records(cache: jax.Array, block_table: jax.Array, cu_lens: jax.Array, *, num_rows: int,
@@ -104,8 +115,8 @@ def gather_records(cache: jax.Array, block_table: jax.Array, cu_lens: jax.Array,
             raise ValueError(f"out: expected uint8[>= {num_rows}, {cache.shape[-1]}] (num_rows rows of the cache's "
                              f"records), got {out.dtype}{list(out.shape)}")
     run = select_records(implementation, device or selection.device_of(cache), cache.size, num_rows,
-                         cache.shape[-1], num_reqs=block_table.shape[0], into=out is not None, interpret=interpret,
-                         config=config)
+                         cache.shape[-1], num_reqs=block_table.shape[0], out_rows=None if out is None else out.shape[0],
+                         interpret=interpret, config=config)
     return run(cache, block_table, cu_lens, out, num_rows=num_rows, interpret=interpret)
 
 
@@ -114,9 +125,8 @@ def gather_dequant(cache: jax.Array, block_table: jax.Array, cu_lens: jax.Array,
                    interpret: bool = False, config: GatherTiles | None = None,
                    device: jax.Device | None = None) -> jax.Array:
     """u8[num_blocks, block_size, R] -> bf16[num_rows, nope_dim + rope_dim]."""
-    run = GATHER_DEQUANT.select(implementation, device or selection.device_of(cache), cache.size,
-                                num_rows * (cache.shape[-1] + 2 * layout.value_dim), interpret=interpret,
-                                config=config)
+    run = select_dequant(implementation, device or selection.device_of(cache), cache.size, num_rows, cache.shape[-1],
+                         layout, interpret=interpret, config=config)
     return run(cache, block_table, cu_lens, num_rows=num_rows, layout=layout, interpret=interpret)
 
 
@@ -146,6 +156,7 @@ def gather_slots(cache: jax.Array, slots: jax.Array, *, implementation: str | Se
                  interpret: bool = False, config: GatherTiles | None = None,
                  device: jax.Device | None = None) -> jax.Array:
     """u8[num_blocks, block_size, R], i32[N] -> u8[N, R] (see `gather_slots_reference`)."""
-    run = GATHER_SLOTS.select(implementation, device or selection.device_of(cache), cache.size,
-                              2 * slots.shape[0] * cache.shape[-1], interpret=interpret, config=config)
+    out_bytes = slots.shape[0] * cache.shape[-1]
+    run = GATHER_SLOTS.select(implementation, device or selection.device_of(cache), max(cache.size, out_bytes),
+                              2 * out_bytes, interpret=interpret, config=config)
     return run(cache, slots, interpret=interpret)
