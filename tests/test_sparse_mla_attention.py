@@ -1,6 +1,7 @@
 """Sparse-MLA attention over native records: every implementation against a float64 numpy oracle
 (over the oracle's own record decode), its NaN and hole rules, its checks, its bounded memory."""
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -234,6 +235,33 @@ def test_triton_is_left_out_where_a_buffer_has_wrapping_offsets():
     assert choose(65536, 8, ("pallas_triton", "xla")) == "xla"
     assert choose(32768, 120, ("pallas_triton", "xla")) == "xla"        # 128 padded heads
     assert choose(16384, 120, ("pallas_triton", "xla")) == "pallas_triton"
+
+
+def test_the_interpreted_mosaic_kernel_refuses_too_few_cpu_devices():
+    """Interpreted with one CPU device its warpgroups would wait on each other forever: a named
+    error instead, and an ordered choice passes it over (a fresh process: the device count is
+    fixed when jax starts)."""
+    import subprocess
+    import sys
+    code = """
+import jax.numpy as jnp, numpy as np, ckv_jax
+q = jnp.zeros((1, 16, 576), jnp.bfloat16); records = jnp.zeros((4, 656), jnp.uint8)
+idx, cnt = jnp.zeros((1, 8), jnp.int32), jnp.ones((1,), jnp.int32)
+try:
+    ckv_jax.sparse_mla_attention(q, records, idx, cnt, 0.1, format="fp8_ds_mla", implementation="pallas_mosaic_gpu",
+                                 interpret=True)
+except ValueError as e:
+    print("refused:", e)
+out, lse = ckv_jax.sparse_mla_attention(q, records, idx, cnt, 0.1, format="fp8_ds_mla",
+                                       implementation=("pallas_mosaic_gpu", "xla"), interpret=True)
+print("ordered:", float(lse[0, 0]))
+"""
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "refused: implementation: none of ['pallas_mosaic_gpu'] is supported here" in proc.stdout, proc.stdout
+    assert "need as many CPU devices (set JAX_NUM_CPU_DEVICES=3 before jax starts); this process has 1" in proc.stdout
+    assert "ordered: " in proc.stdout
 
 
 def test_bad_input_is_named_before_anything_runs():

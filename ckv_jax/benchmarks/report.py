@@ -36,12 +36,18 @@ def _cell(row: dict, key: str, width: int, fmt: str) -> str:
 def run_mode(op, name: str, device, nbytes: int, interpret: bool, log) -> str | None:
     """How a sweep runs implementation `name` of KernelOp `op` on `device` for a buffer of
     `nbytes`: "compiled" where it is supported, "interpret" for a Pallas implementation off its
-    hardware when the sweep asked for interpret mode, else None (skipped, with the reason logged)."""
-    ok, why = op.implementation(name).supported_on(device, nbytes, False)
+    hardware when the sweep asked for interpret mode and it runs interpreted here, else None
+    (skipped, with the reason logged)."""
+    impl = op.implementation(name)
+    ok, why = impl.supported_on(device, nbytes, False)
     if ok:
         return "compiled"
     if interpret and name != "xla":
-        return "interpret"
+        ok, why = impl.supported_on(device, nbytes, True)
+        if ok:
+            return "interpret"
+        log(f"  {op.name}: skip {name} in interpret mode ({why})")
+        return None
     log(f"  {op.name}: skip {name} ({why}" + ("; --interpret runs it in interpret mode)" if name != "xla" else ")"))
     return None
 

@@ -69,6 +69,24 @@ def _run_mosaic(q, records, indices, counts, sm_scale, *, layout, out_dtype, int
         out_dtype=out_dtype, interpret=params)
 
 
+# Interpreted off a GPU, the Mosaic GPU kernel's warpgroups (three there) run as concurrent
+# programs of the CPU client, which ran them together only with at least as many CPU devices: with
+# one or two, jax 0.10's interpreter waited forever at the kernel's first barrier
+INTERPRETED_WARPGROUPS = 3
+
+
+def _mosaic_supported(device: jax.Device, nbytes: int, interpret: bool) -> tuple[bool, str]:
+    """`selection.mosaic_gpu_supported`, and interpreted off a GPU, enough CPU devices."""
+    ok, why = selection.mosaic_gpu_supported(device, nbytes, interpret)
+    if ok and interpret and not compat.on_gpu(device):
+        cpus = len(jax.devices("cpu"))
+        if cpus < INTERPRETED_WARPGROUPS:
+            return False, (f"interpreted on the CPU its {INTERPRETED_WARPGROUPS} warpgroups run as concurrent programs, "
+                           f"which need as many CPU devices (set JAX_NUM_CPU_DEVICES={INTERPRETED_WARPGROUPS} before "
+                           f"jax starts); this process has {cpus}")
+    return ok, why
+
+
 def _run_xla(q, records, indices, counts, sm_scale, *, layout, out_dtype, interpret=False, config=None):
     out, lse = attention_blocked(q, records, indices, counts, sm_scale, layout=layout)
     return out.astype(out_dtype), lse
@@ -77,7 +95,7 @@ def _run_xla(q, records, indices, counts, sm_scale, *, layout, out_dtype, interp
 SPARSE_MLA_ATTENTION = selection.KernelOp(
     "sparse_mla_attention",
     (selection.Implementation("pallas_triton", selection.triton_supported, _run_triton),
-     selection.Implementation("pallas_mosaic_gpu", selection.mosaic_gpu_supported, _run_mosaic,
+     selection.Implementation("pallas_mosaic_gpu", _mosaic_supported, _run_mosaic,
                               MosaicAttentionTiles),
      selection.Implementation("xla", selection.always_supported, _run_xla)),
     DEFAULT_ORDER, AttentionTiles)
