@@ -312,6 +312,13 @@ def test_the_mosaic_kernel_over_bf16_keys(name, scale, kernel_mode):
     check_bf16_keys(name, scale, dict(implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret"))
 
 
+@pytest.mark.parametrize("name", ["fp8_ds_mla", "nvfp4_ds_mla"])
+def test_bf16_keys_keep_the_nan_rule(name, implementation):
+    """A NaN scale dequantizes to NaN values in the bf16 table: the rows that select the record
+    within their counts turn NaN, no other."""
+    check_the_nan_rule(name, dict(implementation, keys="bf16"))
+
+
 def test_bf16_keys_leave_bf16_records_as_they_are():
     """bf16 records' values are bf16 already: keys="bf16" runs the same attention, bit for bit."""
     q, records, indices, counts, sm_scale = (jnp.asarray(a) if isinstance(a, np.ndarray) else a
