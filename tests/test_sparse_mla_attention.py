@@ -307,9 +307,10 @@ def test_bf16_keys_are_the_records_rounded_to_bf16(name, scale, implementation):
     check_bf16_keys(name, scale, implementation)
 
 
-@pytest.mark.parametrize("name, scale", BF16_KEYS_CASES)
-def test_the_mosaic_kernel_over_bf16_keys(name, scale, kernel_mode):
-    check_bf16_keys(name, scale, dict(implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret"))
+def test_the_mosaic_kernel_over_bf16_keys(kernel_mode):
+    """fp8 at large scores, where only the rounded oracle holds (the kernel over bf16 records has its
+    own tests)."""
+    check_bf16_keys("fp8_ds_mla", 16, dict(implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret"))
 
 
 @pytest.mark.parametrize("name", ["fp8_ds_mla", "nvfp4_ds_mla"])
