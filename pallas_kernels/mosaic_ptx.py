@@ -268,4 +268,3 @@ def arrive(barrier: ir.Value):
     """One arrival on the mbarrier at `barrier` (release: this thread's writes before it are
     visible to a waiter)."""
     _asm([barrier], "{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [$0];\n}", "l")
-

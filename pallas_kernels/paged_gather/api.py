@@ -148,8 +148,7 @@ def dequantize_records(records: jax.Array, *, layout: RecordLayout, implementati
     table = jnp.arange(n // page, dtype=jnp.int32)[None, :]
     cu_lens = jnp.array([0, n], jnp.int32)
     return gather_dequant(records.reshape(n // page, page, record_bytes), table, cu_lens, num_rows=n, layout=layout,
-                          implementation=implementation, interpret=interpret, config=config,
-                          device=device or selection.device_of(records))
+                          implementation=implementation, interpret=interpret, config=config, device=device)
 
 
 def gather_slots(cache: jax.Array, slots: jax.Array, *, implementation: str | Sequence[str] | None = None,
