@@ -8,6 +8,7 @@ import re
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
@@ -25,8 +26,9 @@ def test_the_module_is_the_lowered_kernels_mosaic_bytecode_and_follows_the_confi
     again = compile_offline.mosaic_module("fp8_ds_mla", 64, base)
     other = compile_offline.mosaic_module("fp8_ds_mla", 64, MosaicAttentionTiles(copy_issuers=128, k_slots=2,
                                                                                   compute_registers=216))
+    partials = compile_offline.mosaic_module("fp8_ds_mla", 64, base, jnp.float32)
     assert first.startswith(MLIR_BYTECODE_MAGIC) and len(first) > 10_000
-    assert first == again and first != other
+    assert first == again and first != other and first != partials
 
 
 def test_the_stand_in_driver_answers_sm90_and_refuses_to_load(tmp_path):
@@ -75,5 +77,6 @@ def test_a_config_compiles_to_sm90a_ptx_without_a_gpu(tmp_path, capsys):
     assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx
     assert re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx) == [("dec", "88")] + [("inc", "208")] * 2
     row = capsys.readouterr().out.strip().splitlines()[-1]
-    assert row.startswith("0 | 168 | ") and " | serialized | " in row and "dealloc@88" in row
+    # whether ptxas serializes the wgmmas at 208 registers depends on its version (13.0: yes, 13.5: no)
+    assert row.startswith("0 | 168 | ") and row.split(" | ")[3] in ("serialized", "async") and "dealloc@88" in row
     assert row.count("try_alloc@208") == 2

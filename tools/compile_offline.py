@@ -85,14 +85,15 @@ def build_stand_in_driver(directory: Path) -> Path:
     return library
 
 
-def mosaic_module(format_name: str, heads: int, config: mosaic.MosaicAttentionTiles) -> bytes:
+def mosaic_module(format_name: str, heads: int, config: mosaic.MosaicAttentionTiles, out_dtype=jnp.bfloat16) -> bytes:
     """The serialized Mosaic GPU module of the attention kernel for records of `format_name`,
-    `heads` query heads and `config`, as the custom call of its CUDA lowering carries it, at the
-    tuning sweep's shape (the record count and the top-k are constants of the kernel)."""
+    `heads` query heads, `config` and output in `out_dtype` (float32: the partials of stock
+    DCP), as the custom call of its CUDA lowering carries it, at the tuning sweep's shape (the
+    record count and the top-k are constants of the kernel)."""
     layout = formats.get(format_name).layout
     sds = jax.ShapeDtypeStruct
     lowered = jax.jit(lambda q, r, i, c: mosaic.sparse_mla_attention_mosaic(
-        q, r, i, c, 0.04, layout=layout, config=config)).trace(
+        q, r, i, c, 0.04, layout=layout, config=config, out_dtype=out_dtype)).trace(
         sds((SHAPE["tokens"], heads, 576), jnp.bfloat16), sds((SHAPE["rows"], layout.record_bytes), jnp.uint8),
         sds((SHAPE["tokens"], SHAPE["top_k"]), jnp.int32), sds((SHAPE["tokens"],), jnp.int32)).lower(
         lowering_platforms=("cuda",))
@@ -215,6 +216,8 @@ def main(argv=None):
     ap.add_argument("--plugin", type=Path, required=True, help="the CUDA PJRT plugin library (xla_cuda_plugin.so)")
     ap.add_argument("--format", default="fp8_ds_mla", choices=formats.names(), help="record format (default %(default)s)")
     ap.add_argument("--heads", type=int, default=64, help="query heads (default %(default)s)")
+    ap.add_argument("--out-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="the kernel's output (default %(default)s; float32: stock DCP's partials)")
     ap.add_argument("--mosaic-configs", help="'field=value,...;...' configs (default: the format's default)")
     ap.add_argument("--out", type=Path, help="where each config's files go (default: a temporary directory)")
     ap.add_argument("--nvdisasm", default="nvdisasm", help="nvdisasm executable (default: on PATH)")
@@ -234,14 +237,15 @@ def main(argv=None):
         for n, config in enumerate(configs):
             where = out / str(n)
             where.mkdir(parents=True, exist_ok=True)
-            (where / "config.txt").write_text(f"{args.format} heads={args.heads} {config}\n")
-            ptx = compile_to_ptx(mosaic_module(args.format, args.heads, config), args.plugin, driver_dir, where)
+            (where / "config.txt").write_text(f"{args.format} heads={args.heads} out={args.out_dtype} {config}\n")
+            ptx = compile_to_ptx(mosaic_module(args.format, args.heads, config, jnp.dtype(args.out_dtype)),
+                                 args.plugin, driver_dir, where)
             ptxas_report, sass = sass_regions.assemble(ptx, "ptxas", args.nvdisasm, "sm_90a", None)
             (where / "ptxas.txt").write_text(ptxas_report)
             (where / "sass_regions.txt").write_text(sass_regions.report(sass, args.top) + "\n")
             rows.append(summary_row(str(n), ptxas_report, sass))
             print(f"{n}: {config}", flush=True)
-    print(f"\n{args.format}, {args.heads} heads; files in {out}")
+    print(f"\n{args.format}, {args.heads} heads, {args.out_dtype} out; files in {out}")
     print("config | registers at launch | spill bytes stored/loaded | wgmma | per region: loop instructions/spills")
     print("\n".join(rows))
 

@@ -155,8 +155,8 @@ def select(implementation: str | Sequence[str] | None, device: jax.Device, layou
     many_heads = ("pallas_mosaic_gpu" not in skip and num_heads >= MOSAIC_FIRST_HEADS[layout.kind]
                   and pallas_mosaic_gpu.top_k_fits(layout, top_k) and compat.on_gpu(device) and not interpret)
     # the largest buffer a kernel addresses, in elements: the records' bytes, the queries and the
-    # output, or the index rows; the kernels pad the heads to a multiple of a power of two (the
-    # Mosaic CTA's 64, Triton's program) no larger than this bound
+    # output, or the index rows; Triton pads the heads to a multiple of its program's (a power of
+    # two no larger than this bound), the Mosaic kernel to a multiple of 8
     padded_heads = max(pallas_mosaic_gpu.HEADS_PER_CTA, 1 << max(num_heads - 1, 0).bit_length())
     largest = max(records_bytes, num_tokens * padded_heads * layout.value_dim, num_tokens * top_k)
     return SPARSE_MLA_ATTENTION.select(implementation, device, largest, flops(num_tokens, num_heads, top_k, layout),

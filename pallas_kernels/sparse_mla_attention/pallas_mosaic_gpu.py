@@ -1,8 +1,11 @@
 """Mosaic GPU sparse-MLA attention over fp8_ds_mla, nvfp4_ds_mla and bf16 records, with wgmma on SM90.
 
-Grid (T, H_pad / 64): CTA (t, b) computes heads [64 b, 64 b + 64) of query token t, the wgmma's
-M (fewer heads are padded to 64, so 16 heads cost what 64 do).  Three warpgroups (four with two
-memory warpgroups, below):
+Grid (T, ceil(H / 64)): CTA (t, b) computes heads [64 b, 64 b + 64) of query token t, the wgmma's
+M.  A last block of fewer heads (16 or 32 a rank at TP 4-8) still computes 64 rows, but only its
+own travel: its Q rows are copied into SMEM as they are (H padded to a multiple of 8 in GMEM at
+most), and its output goes out through SMEM, staged where the K tiles were, by a copy of its rows;
+no padded copy of Q or of the output is made in GMEM.  Three warpgroups (four with two memory
+warpgroups, below):
 
 - the memory warpgroup copies the token's index row into SMEM once, then per tile of `block_k`
   top-k entries issues (as one, or from each of its warps for a quarter of the rows:
@@ -78,8 +81,9 @@ T = 256) and 46% of the SMEM wavefronts excessive; then no tile-shaped scale or 
 held across the wgmmas, the raw rows were padded off one SMEM bank (excessive wavefronts 1%), and
 `split_scores` gave each compute warpgroup half of the tile's entries: half the score wgmmas and
 exponentials, the row maxima and the bf16 softmax weights exchanged through SMEM (147.6); four
-copy issuers matter there (95.3 with one).  The time does not change from 16 to 64 heads (a CTA
-always holds 64).
+copy issuers matter there (95.3 with one).  With Q and the output padded to 64 heads in GMEM
+fp8's call took 5.44 ms at 16 heads and 5.46 at 32 against 5.18 at 64; the kernel's own work is
+the same at any count up to 64, and the padded copies (about 0.5 GB at 16 heads) are gone.
 
 Interpret mode (CPU tests) runs the same pipeline, copies, barriers and masks; it has no register
 layouts, tiles or swizzles, and its wgmma takes neither a transposed operand nor an accumulator
@@ -239,23 +243,26 @@ def _bf16_row_of(slot, j, chunk, block_k):
 def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, zero_row, out_ref, lse_ref,
             q_smem, idx_smem, raw, k_views, exchange, lane_bars, q_loaded, idx_loaded, raw_bars, tile_syncs, slot_free,
             idx_bars, *, kind, copies, segments, num_records, record_bytes, top_k, block_k, slots, issuers, converted,
-            split, rope_in_registers, compute_registers, memory_registers, memory_wgs, interpret):
-    # idx_ref: i32[T, top_k]; count_ref: i32[T]; scale_ref: f32[1]; q_ref: bf16[T, H_pad, 576]
+            split, rope_in_registers, compute_registers, memory_registers, memory_wgs, num_heads, interpret):
+    # idx_ref: i32[T, top_k]; count_ref: i32[T]; scale_ref: f32[1]; q_ref: bf16[T, num_heads, 576]
     # (nvfp4: the NoPE's even elements, then its odd ones)
     # rec_u8 / rec_scales / rec_bf16: the records u8[N, R], viewed as u8, as f32 (fp8: its tile
     # scales) or u8 (nvfp4: its group scales), and as bf16 (bf16: [N, 576]); copies: ((start,
     # width) in each view) of the three copies of a row: NoPE, the COPY_GRANULE bytes from the
     # scales on, RoPE (fp8, nvfp4); zero_row: bf16[1, 576] of zeros (bf16: masked entries' rows)
-    # out_ref: [T, H_pad, 512] (bf16 or f32; nvfp4: even elements, then odd); lse_ref: f32[T, H_pad]
+    # out_ref: [T, num_heads, 512] (bf16 or f32; nvfp4: even elements, then odd); lse_ref: f32[T,
+    # 64 * blocks] (a last partial block's other rows are the wrapper's to drop)
     # q_smem: bf16[64, 576] (swizzled; `rope_in_registers`: bf16[64, 512], the RoPE columns
     # arriving in p_smem and held in registers); idx_smem: i32[top_k], the token's index row (bf16: a ring
     # i32[slots, block_k] of the tiles' indices, copied in turn, so that two K tiles fit SMEM)
     # raw (fp8, nvfp4; bf16: empty): nope_raw u8[block_k, NoPE bytes + pad], scale_raw fp8
     # f32[block_k, 32 + pad] (scales in columns 0-3) or nvfp4 u8[block_k, 128 + pad] (scales in
     # columns 0-31), rope_raw bf16[block_k, 64 + pad] (each row padded by ROW_PAD_BYTES)
-    # k_views: (k_smem,) bf16[block_k, 576] (swizzled); bf16: k_smem bf16[slots, block_k, 576]
-    # (swizzled) and, compiled, k_rows bf16[slots * block_k * 9, 64], the same bytes seen as
-    # swizzled 128-byte rows, each the target of one row's 64 columns (`_bf16_row_of`);
+    # k_views, one SMEM allocation: k_smem bf16[block_k, 576] (swizzled; filled by the memory
+    # warpgroups: bf16[slots, block_k, 576]); bf16, compiled: k_rows bf16[slots * block_k * 9,
+    # 64], the same bytes seen as swizzled 128-byte rows, each the target of one row's 64 columns
+    # (`_bf16_row_of`); last, out_staging [2, 64, 128] of out_ref's dtype, where each compute
+    # warpgroup stages a part of a partial block's output once every tile is done;
     # exchange: scales_smem f32[4, block_k] (fp8 only); with split scores: p_smem bf16[64,
     # block_k + pad] (the softmax weights of both halves; `rope_in_registers`: bf16[64, block_k]
     # in [8, 32] tiles, 64-byte swizzle, each half one column of tiles, first Q's RoPE columns),
@@ -277,14 +284,27 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
     num_keys = block_k // 2 if split else block_k      # the score columns of one compute warpgroup
     count = jnp.clip(count_ref[t], 0, top_k)
     num_tiles = (count + block_k - 1) // block_k
-    heads = pl.ds(hb * HEADS_PER_CTA, HEADS_PER_CTA)
+    # this CTA's heads: 64 from 64 hb on, but `tail` in a last block of fewer
+    num_blocks = -(-num_heads // HEADS_PER_CTA)
+    tail = num_heads - (num_blocks - 1) * HEADS_PER_CTA
+
+    def by_block(body):
+        """body(first, rows) for this CTA's heads, `rows` static: a full block, or the last of
+        fewer (Q's other rows in SMEM are never loaded: each row of the products is its own
+        head's, and those rows are neither stored nor reduced across)."""
+        if tail == HEADS_PER_CTA:
+            body(hb * HEADS_PER_CTA, HEADS_PER_CTA)
+            return
+        if num_blocks > 1:
+            pl.when(hb < num_blocks - 1)(lambda: body(hb * HEADS_PER_CTA, HEADS_PER_CTA))
+        pl.when(hb == num_blocks - 1)(lambda: body((num_blocks - 1) * HEADS_PER_CTA, tail))
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
     direct = kind == "bf16"              # records copied straight into the K tile (`copies_into_k`)
     # K tiles filled by the memory warpgroups (bf16: copied; fp8 and nvfp4, `converted`: converted
     # there), in a ring of `slots`, their indices through a ring too; else one raw slot converted
     # by the compute warpgroups
     filled = direct or converted
-    k_smem = k_views[0]
+    k_smem, out_staging = k_views[0], k_views[-1]
     scales_smem, p_smem, maxes_smem, stats_smem = exchange
     if not filled:
         nope_raw, scale_raw, rope_raw = raw
@@ -617,11 +637,15 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
     def compute(w):
         plgpu.set_max_registers(compute_registers, action="increase")
         if w == 0:
-            if rope_in_registers:
-                plgpu.copy_gmem_to_smem(q_ref.at[t, heads, pl.ds(0, NOPE_DIM)], q_smem, q_bar)
-                plgpu.copy_gmem_to_smem(q_ref.at[t, heads, pl.ds(NOPE_DIM, ROPE_DIM)], p_smem, q_bar)
-            else:
-                plgpu.copy_gmem_to_smem(q_ref.at[t, heads], q_smem, q_bar)
+            def copy_q(first, rows):
+                heads, filled_rows = pl.ds(first, rows), pl.ds(0, rows)
+                if rope_in_registers:
+                    plgpu.copy_gmem_to_smem(q_ref.at[t, heads, pl.ds(0, NOPE_DIM)], q_smem.at[filled_rows], q_bar)
+                    plgpu.copy_gmem_to_smem(q_ref.at[t, heads, pl.ds(NOPE_DIM, ROPE_DIM)], p_smem.at[filled_rows],
+                                            q_bar)
+                else:
+                    plgpu.copy_gmem_to_smem(q_ref.at[t, heads], q_smem.at[filled_rows], q_bar)
+            by_block(copy_q)
         if not filled:
             plgpu.barrier_wait(idx_bar)
         plgpu.barrier_wait(q_bar)
@@ -787,17 +811,34 @@ def _kernel(idx_ref, count_ref, scale_ref, q_ref, rec_u8, rec_scales, rec_bf16, 
             l = l + load(stats_smem.at[other], rows_of)
             nan_seen = jnp.maximum(nan_seen, load(stats_smem.at[other + 1], rows_of))
             seen = jnp.maximum(seen, load(stats_smem.at[other + 2], rows_of))
+        elif tail < HEADS_PER_CTA:
+            sync(stats_ready)              # a partial block stages its output in the K tiles' SMEM
         nan_row = nan_seen > 0
         nonempty = seen > 0
         denom = jnp.where(l > 0, l, 1.0)
-        for acc, p in zip(accs, own):
+        outs = []
+        for acc in accs:
             out = acc / lax.broadcast_in_dim(denom, acc.shape, (0,))
             out = jnp.where(lax.broadcast_in_dim(nonempty, acc.shape, (0,)), out, 0.0)
-            out = jnp.where(lax.broadcast_in_dim(nan_row, acc.shape, (0,)), jnp.nan, out)
-            out_ref.at[t, heads, pl.ds(p * PART, PART)][...] = out.astype(out_ref.dtype)
+            outs.append(jnp.where(lax.broadcast_in_dim(nan_row, acc.shape, (0,)), jnp.nan, out).astype(out_ref.dtype))
+
+        def store_out(first, rows):
+            for out, p in zip(outs, own):
+                dst = out_ref.at[t, pl.ds(first, rows), pl.ds(p * PART, PART)]
+                if rows == HEADS_PER_CTA:
+                    dst[...] = out
+                    continue
+                # a partial block: its rows through SMEM (a register array's rows are spread over
+                # the warpgroup's warps), the copy out of SMEM done before the next part reuses it
+                staged = out_staging.at[w]
+                staged[...] = out
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(staged.at[pl.ds(0, rows)], dst)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        by_block(store_out)
         if w == 0:
             lse = jnp.where(nonempty, jnp.log(denom) + m, -jnp.inf)
-            lse_ref.at[t, heads][...] = jnp.where(nan_row, jnp.nan, lse)
+            lse_ref.at[t, pl.ds(hb * HEADS_PER_CTA, HEADS_PER_CTA)][...] = jnp.where(nan_row, jnp.nan, lse)
 
     for w in (0, 1):
         pl.when(wg == w)(functools.partial(compute, w))
@@ -900,13 +941,18 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
     # 232,448: Q's RoPE columns (8 KB) move into registers
     rope_in_registers = slots > 1 and config.split_scores
     memory_wgs = memory_warpgroups_of(layout, config, interpret)
-    hp = -(-h // HEADS_PER_CTA) * HEADS_PER_CTA
+    # heads as they come, a multiple of 8 (the SMEM tiles' rows); a block of fewer than 64 is
+    # copied in and out as such (no padding to the wgmma's M in GMEM)
+    num_heads = -(-h // 8) * 8
+    num_blocks = -(-num_heads // HEADS_PER_CTA)
     k = max(indices.shape[1], 1)
     kp = -(-k // block_k) * block_k
     if not top_k_fits(layout, kp):
         raise ValueError(f"indices: the pallas_mosaic_gpu kernel holds a token's index row in shared memory (fp8 "
                          f"and nvfp4 records), at most {MAX_TOP_K} entries; got int32[{t}, {indices.shape[1]}]")
-    q16 = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, hp - h), (0, 0)))
+    q16 = q.astype(jnp.bfloat16)
+    if num_heads != h:
+        q16 = jnp.pad(q16, ((0, 0), (0, num_heads - h), (0, 0)))
     if layout.kind == "nvfp4_groups":                   # the kernel's even / odd order of the NoPE
         q16 = jnp.concatenate([record_codec.split_even_odd(q16[..., :NOPE_DIM]), q16[..., NOPE_DIM:]], axis=-1)
     idx = jnp.pad(indices, ((0, 0), (0, kp - indices.shape[1])), constant_values=-1)
@@ -921,13 +967,13 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
         # the interpreter has no tiles or swizzles: its copies write whole rows of k_smem.  Compiled,
         # the two views share their first byte (a union of two single refs; the documented
         # contract promises no layout, so the compiled bf16 tests check every output value)
-        k_views = (plgpu.SMEM(k_shape, jnp.bfloat16),) if interpret else plgpu.RefUnion(
+        k_views = [plgpu.SMEM(k_shape, jnp.bfloat16)] if interpret else [
             plgpu.SMEM(k_shape, jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((slots * block_k * BF16_CHUNKS, BF16_CHUNK_COLUMNS), jnp.bfloat16,
-                       transforms=(plgpu.TilingTransform((1, BF16_CHUNK_COLUMNS)), plgpu.SwizzleTransform(128))))
+                       transforms=(plgpu.TilingTransform((1, BF16_CHUNK_COLUMNS)), plgpu.SwizzleTransform(128)))]
     elif converted:
         copies, raw, copies_per_row = record_copies(layout), (), 1
-        k_views = (plgpu.SMEM((slots, block_k, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),)
+        k_views = [plgpu.SMEM((slots, block_k, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled)]
     else:
         copies, copies_per_row = record_copies(layout), COPIES_PER_ROW
         scale_dtype = scale_view_dtype(layout)
@@ -935,7 +981,11 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
         raw = (plgpu.SMEM((block_k, copies[0][1] + pad(jnp.uint8)), jnp.uint8),
                plgpu.SMEM((block_k, copies[1][1] + pad(scale_dtype)), scale_dtype),
                plgpu.SMEM((block_k, ROPE_DIM + pad(jnp.bfloat16)), jnp.bfloat16))
-        k_views = (plgpu.SMEM((block_k, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled),)
+        k_views = [plgpu.SMEM((block_k, NOPE_DIM + ROPE_DIM), jnp.bfloat16, transforms=swizzled)]
+    # a partial block's output, staged where the K tiles were (at most 64 KB: within one K tile;
+    # jax 0.10's interpreter hangs on that union: there it is allocated apart)
+    k_views.append(plgpu.SMEM((2, HEADS_PER_CTA, PART), out_dtype))
+    k_views = tuple(k_views) if interpret else plgpu.RefUnion(*k_views)
     split = config.split_scores
     issuers = config.copy_issuers
     per_slot = _copy_barriers_per_slot(issuers)
@@ -944,7 +994,7 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
                                slots=slots, issuers=issuers, converted=converted, split=split,
                                rope_in_registers=rope_in_registers, compute_registers=config.compute_registers,
                                memory_registers=config.memory_registers(memory_wgs), memory_wgs=memory_wgs,
-                               interpret=bool(interpret))
+                               num_heads=num_heads, interpret=bool(interpret))
     # the tile scales (fp8) and the exchange of split scores, minimal where unused (and then one
     # allocation: each is aligned on its own)
     if rope_in_registers:   # Q's RoPE arrives there; each half of the weights is a column of tiles
@@ -970,8 +1020,9 @@ def sparse_mla_attention_mosaic(q, records, indices, counts, sm_scale, *, layout
     extra = {"interpret": interpret} if interpret else {}
     out, lse = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((t, hp, NOPE_DIM), out_dtype), jax.ShapeDtypeStruct((t, hp), jnp.float32)),
-        grid=(t, hp // HEADS_PER_CTA), grid_names=("t", "hb"), num_threads=2 + memory_wgs, thread_name="wg",
+        out_type=(jax.ShapeDtypeStruct((t, num_heads, NOPE_DIM), out_dtype),
+                  jax.ShapeDtypeStruct((t, num_blocks * HEADS_PER_CTA), jnp.float32)),
+        grid=(t, num_blocks), grid_names=("t", "hb"), num_threads=2 + memory_wgs, thread_name="wg",
         scratch_types=smem + [
             plgpu.Barrier(num_arrivals=2 if rope_in_registers else 1, num_barriers=1),     # Q's copies
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
