@@ -5,7 +5,8 @@
 # gather patch prefill attention sanitizer plot.  KERNEL_ARGS / PREFILL_ARGS / ATTENTION_ARGS /
 # PYTEST_ARGS override the sweeps and the test selection (default: the GPU tests, `-m gpu`).  Extra stages, run only when named: tune (the
 # tuning sweep, TUNE_ARGS), host (the adapter's host time by round and condition, and by piece inside a
-# dispatch per round), ncu (Nsight Compute on our kernels and torch's, NCU_RUNS); NCU_SECTIONS
+# dispatch per round), ncu (Nsight Compute on our kernels and torch's, NCU_RUNS), ptxas (the Mosaic
+# attention sweep assembled by the device's ptxas and by PTXAS_WHEEL's, PTXAS_TUNE_ARGS); NCU_SECTIONS
 # and NCU_FORMAT override the ncu sections and the record format.  TRACE_BEFORE=DIR adds the
 # adapter's kernel timeline of another checkout (e.g. an older commit) beside this one's.
 # INTEROP_ARGS overrides the torch adapter benchmark's matrix.  SANITIZER_TESTS narrows the
@@ -40,6 +41,25 @@ want ncu && step "ncu" 240 ncu --target-processes all --clock-control none --ker
   torch_pages:32768 gather_records:1048576:8:4 gather_records_mosaic:1048576 torch_pages:1048576 \
   gather_dequant:1048576:8:4 gather_slots:2048:16:8 torch_rows:2048 gather_slots:1048576:16:8 torch_rows:1048576} \
   2>&1 | tee "$OUT/ncu.txt"
+# ptxas: the same configs timed (and checked exact) once assembled by the device's ptxas and once by
+# that of PTXAS_WHEEL (a carried nvidia-cuda-nvcc wheel; tools/cuda_root_overlay.py), one process
+# each; each assembler's report (registers, spills, C7512 where it serializes wgmmas) under
+# $OUT/ptxas_<which>/
+if want ptxas; then
+  assemblers="device overlay"
+  overlay=$(python tools/cuda_root_overlay.py --wheel "${PTXAS_WHEEL:?ptxas: PTXAS_WHEEL names no wheel}" \
+    --out /tmp/cuda_overlay 2> "$OUT/ptxas_versions.txt") || { echo "!!! no overlay"; status=1; assemblers=device; }
+  cat "$OUT/ptxas_versions.txt"
+  for which in $assemblers; do
+    root=; [ $which = overlay ] && root=$overlay
+    step "attention sweep, the $which ptxas" 240 env ${root:+CUDA_ROOT=$root PATH=$root/bin:$PATH} MOSAIC_GPU_DUMP_PTXAS=1 \
+      MOSAIC_GPU_DUMP_TO="$OUT/ptxas_$which" python tools/tune.py ${PTXAS_TUNE_ARGS:---ops sparse_mla_attention \
+      --formats fp8_ds_mla --implementations pallas_mosaic_gpu --attention-heads 64 --mosaic-configs \
+      'copy_issuers=128,k_slots=2,memory_warpgroups=2,compute_registers=208;copy_issuers=128,k_slots=2,memory_warpgroups=2,compute_registers=216'} \
+      --out "$OUT/ptxas_$which.json" 2>&1 | tee "$OUT/ptxas_$which.txt"
+    grep -l C7512 "$OUT/ptxas_$which"/* 2>/dev/null | sed "s/^/C7512 (wgmmas serialized) in /"
+  done
+fi
 if want trace; then
   step "adapter trace" 150 python tools/adapter_trace.py --out "$OUT/trace" 2>&1 | tee "$OUT/trace.txt"
   [ -n "${TRACE_BEFORE:-}" ] && step "adapter trace ($TRACE_BEFORE)" 150 python tools/adapter_trace.py \
