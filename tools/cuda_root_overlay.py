@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -27,11 +28,18 @@ REPLACED = ("ptxas", "nvlink")
 
 
 def current_cuda_root() -> Path:
-    """The CUDA root this jax assembles with (`CUDA_ROOT`, else the nvidia pip package)."""
+    """The CUDA root whose ptxas this process would run: jax's (`CUDA_ROOT`, else the nvidia pip
+    package holding bin/ptxas; jax 0.10-0.11 write the string "None" when there is none), else
+    that of the ptxas on PATH, else /usr/local/cuda."""
     from jax._src import lib
-    if not lib.cuda_path:
-        raise SystemExit("jax found no CUDA root (no CUDA_ROOT, no nvidia pip package): pass --root")
-    return Path(lib.cuda_path)
+    candidates = [Path(lib.cuda_path)] if lib.cuda_path else []
+    on_path = shutil.which("ptxas")
+    candidates += [Path(on_path).resolve().parents[1]] if on_path else []
+    candidates.append(Path("/usr/local/cuda"))
+    for root in candidates:
+        if (root / "bin" / "ptxas").is_file():
+            return root
+    raise SystemExit(f"no CUDA root with bin/ptxas among {', '.join(map(str, candidates))}: pass --root")
 
 
 def build_overlay(root: Path, wheel: Path, out: Path) -> Path:

@@ -51,12 +51,17 @@ if want ptxas; then
     --out /tmp/cuda_overlay 2> "$OUT/ptxas_versions.txt") || { echo "!!! no overlay"; status=1; assemblers=device; }
   cat "$OUT/ptxas_versions.txt"
   for which in $assemblers; do
-    root=; [ $which = overlay ] && root=$overlay
-    step "attention sweep, the $which ptxas" 240 env ${root:+CUDA_ROOT=$root PATH=$root/bin:$PATH} MOSAIC_GPU_DUMP_PTXAS=1 \
+    # the overlay on every route to an assembler: jax's CUDA root, XLA's data dir, Mosaic GPU's
+    # default data dir (./cuda_sdk_lib, relative to the working directory) and PATH
+    root=; [ $which = overlay ] && { root=$overlay; ln -sfn "$root" cuda_sdk_lib; }
+    mkdir -p "$OUT/ptxas_$which"
+    step "attention sweep, the $which ptxas" 240 env ${root:+CUDA_ROOT=$root PATH=$root/bin:$PATH \
+      XLA_FLAGS=--xla_gpu_cuda_data_dir=$root} MOSAIC_GPU_DUMP_PTXAS=1 \
       MOSAIC_GPU_DUMP_TO="$OUT/ptxas_$which" python tools/tune.py ${PTXAS_TUNE_ARGS:---ops sparse_mla_attention \
       --formats fp8_ds_mla --implementations pallas_mosaic_gpu --attention-heads 64 --mosaic-configs \
       'copy_issuers=128,k_slots=2,memory_warpgroups=2,compute_registers=208;copy_issuers=128,k_slots=2,memory_warpgroups=2,compute_registers=216'} \
       --out "$OUT/ptxas_$which.json" 2>&1 | tee "$OUT/ptxas_$which.txt"
+    rm -f cuda_sdk_lib
     grep -l C7512 "$OUT/ptxas_$which"/* 2>/dev/null | sed "s/^/C7512 (wgmmas serialized) in /"
   done
 fi
