@@ -82,8 +82,8 @@ held across the wgmmas, the raw rows were padded off one SMEM bank (excessive wa
 `split_scores` gave each compute warpgroup half of the tile's entries: half the score wgmmas and
 exponentials, the row maxima and the bf16 softmax weights exchanged through SMEM (147.6); four
 copy issuers matter there (95.3 with one).  With Q and the output padded to 64 heads in GMEM
-fp8's call took 5.44 ms at 16 heads and 5.46 at 32 against 5.18 at 64; the kernel's own work is
-the same at any count up to 64, and the padded copies (about 0.5 GB at 16 heads) are gone.
+fp8's call took 5.44 ms at 16 heads and 5.46 at 32 against 5.18 at 64; without those copies
+(about 0.5 GB at 16 heads) 5.10 and 4.94 against 5.03.
 
 Interpret mode (CPU tests) runs the same pipeline, copies, barriers and masks; it has no register
 layouts, tiles or swizzles, and its wgmma takes neither a transposed operand nor an accumulator
