@@ -5,6 +5,7 @@ the plugin checks and the summary table.  The compile itself needs the CUDA PJRT
 import ctypes
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from test_sass_regions import SASS  # noqa: E402
 from pallas_kernels.sparse_mla_attention.pallas_mosaic_gpu import MosaicAttentionTiles  # noqa: E402
 
 MLIR_BYTECODE_MAGIC = b"ML\xefR"
+# fp8's default config at 64 heads, by ptxas release (benchmarks/results/cpu_2026-12-05/27_..)
+WGMMAS_AT_208 = {"13.0": "serialized", "13.5": "async"}
 
 
 def test_the_module_is_the_lowered_kernels_mosaic_bytecode_and_follows_the_config():
@@ -77,6 +80,11 @@ def test_a_config_compiles_to_sm90a_ptx_without_a_gpu(tmp_path, capsys):
     assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx
     assert re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx) == [("dec", "88")] + [("inc", "208")] * 2
     row = capsys.readouterr().out.strip().splitlines()[-1]
-    # whether ptxas serializes the wgmmas at 208 registers depends on its version (13.0: yes, 13.5: no)
-    assert row.startswith("0 | 168 | ") and row.split(" | ")[3] in ("serialized", "async") and "dealloc@88" in row
+    assert row.startswith("0 | 168 | ") and "dealloc@88" in row
+    # whether ptxas serializes the wgmmas at 208 registers is its release's choice: the two
+    # releases compiled so far each have their verdict; another must give one of the two
+    release = re.search(r"release (\d+\.\d+)", subprocess.run(["ptxas", "--version"], capture_output=True,
+                                                                text=True).stdout).group(1)
+    verdict = row.split(" | ")[3]
+    assert verdict == WGMMAS_AT_208[release] if release in WGMMAS_AT_208 else verdict in ("serialized", "async")
     assert row.count("try_alloc@208") == 2

@@ -6,11 +6,12 @@ beside it) taken from an `nvidia-cuda-nvcc` wheel of another CUDA release.
 
 Why: whether ptxas keeps a kernel's wgmmas in flight is the assembler's choice and it changes
 between releases (the fp8 attention kernel at 208 registers a compute thread: ptxas 13.0.88
-serializes them, C7512; 13.5.37 does not; `tools/compile_offline.py`).  Mosaic GPU assembles with
-the ptxas of the CUDA root jax finds (`CUDA_ROOT` first), so a device can time one kernel under
-both assemblers without installing anything but the wheel it carries.
+serializes them, C7512; 13.5.37 does not; `tools/compile_offline.py`).  With the overlay on every
+route to an assembler (`CUDA_ROOT`, XLA's `--xla_gpu_cuda_data_dir`, Mosaic GPU's default data dir
+./cuda_sdk_lib and PATH, as `STAGES=ptxas` of tools/device_run.sh sets them) a device times one
+kernel under both assemblers without installing anything but the wheel it carries.
 
-The overlay mirrors the current root (jax's `cuda_path`, or --root) with symlinks, every entry
+The overlay mirrors the current root (`current_cuda_root`, or --root) with symlinks, every entry
 but bin/ptxas and bin/nvlink, which are extracted from the wheel.  It prints the overlay's path
 and both assemblers' versions.
 """
@@ -84,7 +85,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python tools/cuda_root_overlay.py", description=__doc__.splitlines()[0])
     ap.add_argument("--wheel", type=Path, required=True, help="an nvidia-cuda-nvcc wheel (its bin/ptxas, bin/nvlink)")
     ap.add_argument("--out", type=Path, required=True, help="where the overlay goes")
-    ap.add_argument("--root", type=Path, help="the CUDA root to mirror (default: the one jax found)")
+    ap.add_argument("--root", type=Path, help="the CUDA root to mirror (default: the one whose ptxas runs here)")
     args = ap.parse_args(argv)
     if not args.wheel.is_file():
         raise SystemExit(f"--wheel: no file {args.wheel}")
