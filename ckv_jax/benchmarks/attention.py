@@ -4,8 +4,8 @@ implementation against the bf16 matmul rate of the same run.
 T query tokens, each with its own top-k of `top_k` distinct random rows of a table of `rows`
 real records (a gathered workspace, or a paged cache viewed flat), all rows valid; FLOPs counted
 as FlashMLA counts them, 2 T H K (576 + 512).  Each implementation's output is checked first
-against the XLA implementation with the same keys on the first input (`agrees`; `exact` in the
-row).  With keys="bf16" (fp8 and nvfp4 records) each implementation also runs over the table
+against the XLA implementation with the same keys on the first input (`reference`, `agrees`;
+`exact` in the row).  With keys="bf16" (fp8 and nvfp4 records) each implementation also runs over the table
 dequantized to bf16 records first, the dequantization inside the timed call (`keys` in the row).  Timed with
 `timing.measure_pure` (host clock and device timeline) over R calls on R different query and
 index sets.  The ceiling: a bf16 [8192, 8192] x [8192, 8192]
@@ -16,10 +16,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ckv_jax import formats
 from ckv_jax.benchmarks import report
 from ckv_jax.benchmarks.timing import measure_pure
+from pallas_kernels import paged_gather
 from pallas_kernels.sparse_mla_attention import SPARSE_MLA_ATTENTION, flops, sparse_mla_attention
 from pallas_kernels.sparse_mla_attention.api import keys_layout, reading
 
@@ -60,6 +62,16 @@ def query_sets(tokens: int, heads: int, top_k: int, rows: int, seed: int) -> lis
         indices = ((start + jnp.arange(top_k)[None, :] * 7919) % rows).astype(jnp.int32)
         out.append((q, indices, jnp.full((tokens,), top_k, jnp.int32)))
     return out
+
+
+def reference(q, records, indices, counts, layout, keys: str):
+    """The XLA implementation with `keys`; with "bf16" over the table dequantized by XLA too, so
+    that the check does not share the kernels' dequantizing gather."""
+    read_layout = keys_layout(layout, keys)
+    if read_layout != layout:
+        table = paged_gather.dequantize_records(records, layout=layout, implementation="xla")
+        records = lax.bitcast_convert_type(table, jnp.uint8).reshape(table.shape[0], read_layout.record_bytes)
+    return sparse_mla_attention(q, records, indices, counts, 576 ** -0.5, layout=read_layout, implementation="xla")
 
 
 def agrees(got, want) -> bool:
@@ -107,8 +119,7 @@ def run(heads_list, names, tokens: int, top_k: int, rows: int, log=print, interp
                 # the table as a constant (688 MB at 1M rows, where one compile took 33 s, not 11)
                 calls = [(q, records, indices, counts) for q, indices, counts in inputs]
                 if keys not in references:
-                    references[keys] = sparse_mla_attention(*calls[0], 576 ** -0.5, layout=fmt.layout,
-                                                            implementation="xla", keys=keys)
+                    references[keys] = reference(*calls[0], fmt.layout, keys)
                 checked = agrees(jax.jit(op)(*calls[0]), references[keys])
                 timing = measure_pure(op, calls)
                 row = dict(op="attention", format=name, tokens=tokens, heads=heads, top_k=top_k, rows=rows,
