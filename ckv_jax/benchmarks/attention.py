@@ -5,25 +5,23 @@ T query tokens, each with its own top-k of `top_k` distinct random rows of a tab
 real records (a gathered workspace, or a paged cache viewed flat), all rows valid; FLOPs counted
 as FlashMLA counts them, 2 T H K (576 + 512).  Each implementation's output is checked first
 against the XLA implementation with the same keys on the first input (`reference`, `agrees`;
-`exact` in the row).  With keys="bf16" (fp8 and nvfp4 records) each implementation also runs over the table
-dequantized to bf16 records first, the dequantization inside the timed call (`keys` in the row).  Timed with
-`timing.measure_pure` (host clock and device timeline) over R calls on R different query and
-index sets.  The ceiling: a bf16 [8192, 8192] x [8192, 8192]
-matmul timed the same way.
+`exact` in the row).  With keys="bf16" (fp8 and nvfp4 records) each implementation also runs over
+the table dequantized to bf16 records first, the dequantization inside the timed call (`keys` in
+the row).  Timed with `timing.measure_pure` (host clock and device timeline) over R calls on R
+different query and index sets.  The ceiling: a bf16 [8192, 8192] x [8192, 8192] matmul timed the
+same way.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ckv_jax import formats
 from ckv_jax.benchmarks import report
 from ckv_jax.benchmarks.timing import measure_pure
-from pallas_kernels import paged_gather
 from pallas_kernels.sparse_mla_attention import SPARSE_MLA_ATTENTION, flops, sparse_mla_attention
-from pallas_kernels.sparse_mla_attention.api import keys_layout, reading
+from pallas_kernels.sparse_mla_attention.api import bf16_records, keys_layout, reading
 
 REPEATS = 3
 
@@ -69,8 +67,7 @@ def reference(q, records, indices, counts, layout, keys: str):
     that the check does not share the kernels' dequantizing gather."""
     read_layout = keys_layout(layout, keys)
     if read_layout != layout:
-        table = paged_gather.dequantize_records(records, layout=layout, implementation="xla")
-        records = lax.bitcast_convert_type(table, jnp.uint8).reshape(table.shape[0], read_layout.record_bytes)
+        records = bf16_records(records, layout=layout, implementation="xla")
     return sparse_mla_attention(q, records, indices, counts, 576 ** -0.5, layout=read_layout, implementation="xla")
 
 

@@ -125,6 +125,15 @@ def keys_layout(layout: RecordLayout, keys: str) -> RecordLayout:
     return layout if keys == "exact" else pallas_mosaic_gpu.BF16
 
 
+def bf16_records(records, *, layout: RecordLayout, implementation: str | Sequence[str] | None = None,
+                 interpret: bool = False, device: jax.Device | None = None) -> jax.Array:
+    """u8[N, R] records of a quantized `layout` -> u8[N, 1152]: the bf16 records of their values
+    (`paged_gather.dequantize_records` with `implementation`, seen as bytes: no copy)."""
+    table = paged_gather.dequantize_records(records, layout=layout, implementation=implementation,
+                                            interpret=interpret, device=device)
+    return lax.bitcast_convert_type(table, jnp.uint8).reshape(table.shape[0], pallas_mosaic_gpu.BF16.record_bytes)
+
+
 def sparse_mla_attention(q, records, indices, counts, sm_scale, *, layout: RecordLayout,
                          implementation: str | Sequence[str] | None = None, interpret: bool = False,
                          config: AttentionTiles | MosaicAttentionTiles | None = None, out_dtype=jnp.bfloat16,
@@ -137,8 +146,7 @@ def sparse_mla_attention(q, records, indices, counts, sm_scale, *, layout: Recor
     device = device or selection.device_of(records)
     read_layout = keys_layout(layout, keys)
     if read_layout != layout:
-        table = paged_gather.dequantize_records(records, layout=layout, interpret=interpret, device=device)
-        records = lax.bitcast_convert_type(table, jnp.uint8).reshape(table.shape[0], read_layout.record_bytes)
+        records = bf16_records(records, layout=layout, interpret=interpret, device=device)
     run = select(implementation, device, read_layout, records.size, q.shape[0], q.shape[1], indices.shape[1],
                  interpret=interpret, config=config)
     return run(q, records, indices, counts, sm_scale, layout=read_layout, out_dtype=out_dtype, interpret=interpret)
