@@ -2,6 +2,7 @@
 
     python tools/adapter_trace.py --out trace            # -> trace.png, trace.json
     python tools/adapter_trace.py --code DIR --out old   # the same workload on another checkout
+    python tools/adapter_trace.py --summarize trace.json  # the per-layer phases of a saved run
 
 Runs `interop.bench.Workload` (one request, D = 1, fp8_ds_mla) with `torch.cuda._sleep` compute
 (or `--compute matmul`: bf16 matmuls that fill every SM) on a torch stream, two warm steps, then
@@ -87,6 +88,50 @@ def chains(ks: list[dict]) -> list[float]:
     return out
 
 
+def layer_phases(ks: list[dict]) -> list[dict]:
+    """Per boundary between two layers' compute on torch's compute stream (us): `to_write` from
+    the compute's end to torch's next kernel (the cache write), `write` its duration,
+    `patch_first` whether JAX's patch of the slot (the first `ckv_write` kernel that starts after
+    the compute ends or during the cache write) started before the cache write did,
+    `to_consumer` from the later end of the write and the patch (the write's end where there is no
+    patch) to torch's next kernel (the consumer), `to_next` from there to the next compute, and
+    `total` compute end to next compute start.  Layers that do not follow the pattern (a compute
+    kernel not followed by two of torch's kernels) are skipped."""
+    compute = [k for k in ks if category(k["name"]) == "torch compute"]
+    if not compute:
+        return []
+    stream = compute[0]["stream"]
+    out = []
+    for a, b in zip(compute, compute[1:]):
+        end, nxt = a["start"] + a["dur"], b["start"]
+        mine = [k for k in ks if k["stream"] == stream and end <= k["start"] < nxt]
+        if len(mine) < 2:
+            continue
+        write, consumer = mine[0], mine[1]
+        write_end = write["start"] + write["dur"]
+        patches = [k for k in ks if category(k["name"]) == "patch" and end <= k["start"] < write_end]
+        patch = patches[0] if patches else None
+        last_end = write_end if patch is None else max(write_end, patch["start"] + patch["dur"])
+        out.append(dict(to_write=write["start"] - end, write=write["dur"],
+                        patch_first=None if patch is None else patch["start"] < write["start"],
+                        to_consumer=consumer["start"] - last_end, to_next=nxt - consumer["start"],
+                        total=nxt - end))
+    return out
+
+
+def phases_summary(phases: list[dict]) -> str:
+    """The medians of `layer_phases` and how often the patch went first, one line."""
+    if not phases:
+        return "  layer phases: none (no compute kernels followed by torch's cache write and consumer)"
+    med = {key: statistics.median(p[key] for p in phases) for key in ("to_write", "write", "to_consumer", "to_next",
+                                                                     "total")}
+    order = [p["patch_first"] for p in phases if p["patch_first"] is not None]
+    patch = f", patch before the cache write in {sum(order)} of {len(order)}" if order else ", no patch"
+    return (f"  layer phases over {len(phases)} boundaries (medians, us): compute end -> cache write "
+            f"{med['to_write']:.1f}, cache write {med['write']:.1f}, -> consumer {med['to_consumer']:.1f}, "
+            f"consumer -> next compute {med['to_next']:.1f}, compute to compute {med['total']:.1f}{patch}")
+
+
 COLORS = {"torch compute": "tab:blue", "gather": "tab:orange", "patch": "tab:green", "copy": "tab:red",
           "other": "tab:gray"}
 
@@ -119,7 +164,9 @@ def plot(panels: dict, path: str, title: str):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--code", default=ROOT, help="checkout whose ckv_jax/interop run (default: this one)")
-    ap.add_argument("--out", required=True, help="output prefix: <out>.png and <out>.json")
+    ap.add_argument("--out", help="output prefix: <out>.png and <out>.json (required unless --summarize)")
+    ap.add_argument("--summarize", nargs="+", metavar="JSON",
+                    help="print the per-layer phases of saved <out>.json files instead of running a step")
     ap.add_argument("--history", type=int, default=1 << 20)
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--latents", choices=["in-place", "copied"], default="in-place",
@@ -137,6 +184,16 @@ def main(argv=None) -> int:
     ap.add_argument("--mark", choices=["before-write", "after-write"], default="before-write",
                     help="set_current_chunk before the layer's cache write or after it (default %(default)s)")
     args = ap.parse_args(argv)
+    if args.summarize:
+        for path in args.summarize:
+            with open(path) as f:
+                saved = json.load(f)
+            for depth, ks in saved["kernels"].items():
+                print(f"{path} {depth}")
+                print(phases_summary(layer_phases(ks)))
+        return 0
+    if not args.out:
+        ap.error("--out is required to run a step")
     sys.path.insert(0, os.path.abspath(args.code))
     import torch
     spec = importlib.util.spec_from_file_location("bench_workload", os.path.join(ROOT, "interop", "bench.py"))
@@ -176,6 +233,7 @@ def main(argv=None) -> int:
     for label, ks in panels.items():
         print(label)
         print(contention(ks))
+        print(phases_summary(layer_phases(ks)))
         span = chains(ks)
         if span:
             print(f"  cache write end -> torch's consumer: median {statistics.median(span):.1f} us, per layer "
