@@ -11,7 +11,9 @@ kernel and copy of the process, XLA's included).  The PNG has a panel per depth,
 stream and a bar per kernel; the JSON lists the kernels (stream, name, start and duration in us
 from the step's first GPU activity).  Per depth it prints how long the gathers and torch's
 compute kernels took while they overlapped one another and while they ran alone, which is
-where SM contention shows.
+where SM contention shows, and the phases of each layer boundary on torch's stream (compute end
+to cache write, the write, to the consumer, on to the next compute; whether JAX's patch started
+before the write), which show what of a layer stays exposed at depth >= 1.
 --code DIR puts DIR first on the import path for ckv_jax / interop / pallas_kernels, while the
 workload still comes from this checkout's interop/bench.py (it uses only the adapter's public
 calls, and passes `begin_step` a host block table), so two versions of the adapter run the same
