@@ -47,8 +47,8 @@ class StepArrays:
       block_table i32[R, max_blocks]  shared by all ranks
       local_cu    i32[D, R + 1]       each rank's cumulative local lengths, leading 0
       slots       i32[D, T]           each rank's cache slot of every chunk token, -1 where another
-                                      rank owns the token
-      chunk_rows  i32[T]              the gathered-workspace row of every chunk token
+                                      rank owns the token (and in padding rows, below)
+      chunk_rows  i32[T]              the gathered-workspace row of every chunk token (-1: padding)
       req_id      i32[T]              the request of every query row
       causal_len  i32[T]              global causal length of every query row (its position + 1)
       rank_lens   i32[D, R]           local lengths per rank
@@ -72,18 +72,20 @@ def step_arrays(plan: StepPlan, block_table, mesh: jax.sharding.Mesh | None = No
 
     chunk_capacity: the rows of the latent buffers the chunk will be patched from, when they hold
     more than the step's T tokens (a persistent buffer sized once): `chunk_rows` is then padded
-    to that length with -1, which the patch skips, so the buffers pass whole and the patch
-    program's shapes stay the same from step to step.
+    to that length with -1, which the patch skips, and so is `slots` (which the cache write
+    skips), so the buffers pass whole and the programs' shapes stay the same from step to step.
     """
     table = np.asarray(block_table).astype(np.int32)
-    rows = chunk_rows(plan)
+    rows, slots = chunk_rows(plan), dcp_slot_mapping(plan, table)
     if chunk_capacity is not None:
         if isinstance(chunk_capacity, bool) or not isinstance(chunk_capacity, (int, np.integer)) \
                 or chunk_capacity < plan.num_tokens:
             raise ValueError(f"chunk_capacity: expected an int >= the step's {plan.num_tokens} query tokens, "
                              f"got {chunk_capacity!r}")
-        rows = np.concatenate([rows, np.full(int(chunk_capacity) - len(rows), -1, np.int32)])
-    host = StepArrays(block_table=table, local_cu=plan.local_cu_seq_lens, slots=dcp_slot_mapping(plan, table),
+        pad = int(chunk_capacity) - len(rows)
+        rows = np.concatenate([rows, np.full(pad, -1, np.int32)])
+        slots = np.concatenate([slots, np.full((slots.shape[0], pad), -1, np.int32)], axis=1)
+    host = StepArrays(block_table=table, local_cu=plan.local_cu_seq_lens, slots=slots,
                       chunk_rows=rows, req_id=plan.req_id_per_token, causal_len=plan.causal_lens(),
                       rank_lens=plan.rank_req_lens,
                       num_rows=plan.padded_tokens, layout=plan.layout)
@@ -247,6 +249,19 @@ def patch_chunk(workspace, kv_c, k_pe, rows, *, layout: RecordLayout, implementa
     return out.reshape(n, record_bytes)
 
 
+def write_and_patch_chunk(cache, workspace, kv_c, k_pe, arrays: StepArrays, *, layout: RecordLayout,
+                          axis_name: str = DCP_AXIS, implementation=None, interpret: bool = False, device=None):
+    """`write_chunk` and `patch_chunk` (at `arrays.chunk_rows`) in one writer call: each chunk
+    record is encoded once and stored into this rank's cache and the workspace.  Returns (cache,
+    workspace), both updated in place."""
+    n, record_bytes = workspace.shape
+    cache, rows = cache_writer.write_records_to_all(
+        (cache, workspace.reshape(n, 1, record_bytes)), kv_c, k_pe,
+        (arrays.slots[lax.axis_index(axis_name)], arrays.chunk_rows), layout=layout,
+        implementation=implementation, interpret=interpret, device=device)
+    return cache, rows.reshape(n, record_bytes)
+
+
 # -- the same operations as programs over a mesh ----------------------------------------------------
 def _gather_over_mesh(caches, arrays: StepArrays, out, *, mesh, axis_name, implementation, interpret, tiles):
     body = functools.partial(gather_workspace_in_shard_map, axis_name=axis_name, implementation=implementation,
@@ -321,30 +336,51 @@ def signal_when_ready(arrays: tuple, signal, *, platform: str) -> tuple:
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "layout", "implementation", "interpret",
-                                             "tiles", "prefetch_tiles", "signal"),
-                   donate_argnames=("slot", "prefetch_slots"))
+                                             "tiles", "prefetch_tiles", "signal", "gather_written"),
+                   donate_argnames=("slot", "prefetch_slots", "write_cache"))
 def layer_program(slot, cache, kv_c, k_pe, arrays: StepArrays, prefetch_caches=(), prefetch_slots=(),
-                  *, mesh, layout: RecordLayout, axis_name: str = DCP_AXIS, implementation=None,
-                  interpret: bool = False, tiles=None, prefetch_tiles=None, signal=None):
+                  write_cache=None, *, mesh, layout: RecordLayout, axis_name: str = DCP_AXIS, implementation=None,
+                  interpret: bool = False, tiles=None, prefetch_tiles=None, signal=None, gather_written: bool = False):
     """One layer's JAX work as one program (one dispatch):
 
+      0. `write_cache` (optional, donated; the layer's sharded cache u8[D * num_blocks,
+         block_size, R]): the chunk (kv_c, k_pe) written into it first (`write_chunk`), so
+         that an engine's cache write and the layer's JAX work are one dispatch;
       1. its own workspace in `slot` (donated): `cache` None patches the chunk (kv_c, k_pe at
          `arrays.chunk_rows`) into a slot prefetched earlier; otherwise gathers `cache` into it
-         (with `tiles`).  `slot` None: no workspace of its own (the first prefetches of a step);
+         (with `tiles`); `gather_written` (with `cache` None) gathers the cache step 0 wrote.
+         `slot` None: no workspace of its own (the first prefetches of a step);
       2. `signal` (optional, static, hashable): called through `signal_when_ready` once the
-         workspace is ready, once per device, so a consumer on another stream can wait for it
-         alone;
+         workspace (and the written cache) is ready, once per device, so a consumer on another
+         stream can wait for it alone;
       3. the gathers of later layers: prefetch_caches[i] into prefetch_slots[i] (donated), with
          `prefetch_tiles`; every kernel of theirs comes after the signal.
 
-    Returns (workspace or None, tuple of prefetched workspaces).  The step arrays it does not
-    read are dropped from the executable's inputs (each input costs the dispatch time)."""
+    Returns (workspace or None, tuple of prefetched workspaces, written cache or None).  The
+    step arrays it does not read are dropped from the executable's inputs (each input costs the
+    dispatch time)."""
     device = placement.mesh_device(mesh)
     gather = functools.partial(_gather_over_mesh, arrays=arrays, mesh=mesh, axis_name=axis_name,
                                implementation=implementation, interpret=interpret)
-    workspace = None
-    if slot is not None:
-        if cache is None:
+    if gather_written and (write_cache is None or cache is not None):
+        raise ValueError("gather_written: gathers the cache this program writes; pass write_cache and cache=None")
+    written = workspace = None
+    if write_cache is not None and slot is not None and cache is None and not gather_written:
+        # the cache write and the patch as one kernel: each record encoded once, stored twice
+        body = functools.partial(write_and_patch_chunk, layout=layout, axis_name=axis_name,
+                                 implementation=implementation, interpret=interpret, device=device)
+        written, workspace = jax.shard_map(body, mesh=mesh, in_specs=(P(axis_name), P(), P(), P(), P()),
+                                           out_specs=(P(axis_name), P()), check_vma=False)(
+            write_cache, slot, kv_c, k_pe, arrays)
+    elif write_cache is not None:
+        body = functools.partial(write_chunk, layout=layout, axis_name=axis_name, implementation=implementation,
+                                 interpret=interpret, device=device)
+        written = jax.shard_map(body, mesh=mesh, in_specs=(P(axis_name), P(), P(), P()), out_specs=P(axis_name),
+                                check_vma=False)(write_cache, kv_c, k_pe, arrays)
+    if slot is not None and workspace is None:
+        if gather_written:
+            workspace = gather(written, out=slot, tiles=tiles)
+        elif cache is None:
             workspace = patch_chunk(slot, kv_c, k_pe, arrays.chunk_rows, layout=layout,
                                     implementation=implementation, interpret=interpret, device=device)
         else:
@@ -353,21 +389,29 @@ def layer_program(slot, cache, kv_c, k_pe, arrays: StepArrays, prefetch_caches=(
     if signal is not None:
         if workspace is None:
             raise ValueError("signal: marks the layer's own workspace, but slot is None (no workspace)")
-        # The workspace passes through the signal (so the callback follows the layer's own work)
-        # and so do the prefetches' inputs (so every prefetch kernel follows it): with one rank
-        # the slots they write, which are donated (no copy); with several, local_cu, which every
-        # pack reads (its pack writes a buffer of its own before the all-gather).  In a
-        # shard_map: XLA's partitioner needs the callback placed, and each device's program then
-        # calls it once.
+        # The workspace passes through the signal (so the callback follows the layer's own work),
+        # and so does the written cache (donated: no copy), so a reader of the cache on the
+        # consumer's stream is ordered too; the prefetches' inputs pass as well (so every
+        # prefetch kernel follows it): with one rank the slots they write, which are donated (no
+        # copy); with several, local_cu, which every pack reads (its pack writes a buffer of its
+        # own before the all-gather).  In a shard_map: XLA's partitioner needs the callback
+        # placed, and each device's program then calls it once.
         signalled = functools.partial(signal_when_ready, signal=signal, platform=device.platform)
         one_rank = arrays.local_cu.shape[0] == 1
         following = prefetch_slots if one_rank else (arrays.local_cu,)
-        outs = jax.shard_map(lambda *a: signalled(a), mesh=mesh, in_specs=(P(),) * (1 + len(following)),
-                             out_specs=(P(),) * (1 + len(following)), check_vma=False)(workspace, *following)
-        workspace = outs[0]
+        # the cache passes as rows u8[D * num_blocks * block_size, R]: XLA copies a 3-D buffer
+        # through the aliased call, not a 2-D one
+        passing = (workspace,) + (() if written is None else (written.reshape(-1, written.shape[2]),)) \
+            + tuple(following)
+        specs = (P(),) + (() if written is None else (P(axis_name),)) + (P(),) * len(following)
+        outs = jax.shard_map(lambda *a: signalled(a), mesh=mesh, in_specs=specs, out_specs=specs,
+                             check_vma=False)(*passing)
+        workspace, outs = outs[0], outs[1:]
+        if written is not None:
+            written, outs = outs[0].reshape(written.shape), outs[1:]
         if one_rank:
-            prefetch_slots = tuple(outs[1:])
+            prefetch_slots = tuple(outs)
         else:
-            gather = functools.partial(gather, arrays=dataclasses.replace(arrays, local_cu=outs[1]))
+            gather = functools.partial(gather, arrays=dataclasses.replace(arrays, local_cu=outs[0]))
     prefetched = tuple(gather(c, out=o, tiles=prefetch_tiles) for c, o in zip(prefetch_caches, prefetch_slots))
-    return workspace, prefetched
+    return workspace, prefetched, written

@@ -9,6 +9,7 @@ slots of D * C records.  Per step:
     for layer in range(L):
         cache = ...write this layer's chunk...     # the engine's own paged-cache write
         ws = orch.gather(layer, cache, kv_c, k_pe)  # prefetched + patched, or gathered now
+        # or: cache, ws = orch.write_and_gather(layer, cache, kv_c, k_pe): the write in the same program
         ...attention over ws (u8[D * C, R]; rows past D * P are unreachable)...
 
 `begin_step` issues the gathers of the first layers and `gather` those of layers L+1..L+depth
@@ -261,6 +262,17 @@ class PrefetchOrchestrator:
             state.pending.clear()
         state.last_layer = layer
 
+    def write_and_gather(self, layer: int | None, cache, kv_c, k_pe, *, key: Hashable = "target", signal=None):
+        """`gather` for an engine that leaves the layer's cache write to this call: the chunk
+        (kv_c, k_pe) is written into `cache` (donated; the layer's sharded cache as it was before
+        this step's write) with ckv-jax's writer, in the same program as the layer's patch or
+        gather and its prefetches (one dispatch), ahead of both.  Returns (the written cache,
+        which replaces `cache` in every later call, the workspace).  signal: see `gather`; it
+        then follows the cache write too."""
+        written = []
+        ws = self._layer_call(layer, cache, kv_c, k_pe, key, None, None, signal, written)
+        return written[0], ws
+
     def gather(self, layer: int | None, cache, kv_c, k_pe, *, key: Hashable = "target", after=None,
                ready: Callable[[jax.Array], None] | None = None, signal=None):
         """The gathered workspace u8[D * C, R] of `layer` for this step, current chunk included.
@@ -287,6 +299,10 @@ class PrefetchOrchestrator:
         called with the workspace once its own computation is dispatched; the prefetches are then
         dispatched separately, after it.
         """
+        return self._layer_call(layer, cache, kv_c, k_pe, key, after, ready, signal, None)
+
+    def _layer_call(self, layer, cache, kv_c, k_pe, key, after, ready, signal, written: list | None):
+        """`gather`, and with `written` (a list) `write_and_gather`, which receives the written cache."""
         plan = self._plan
         if plan is None:
             raise RuntimeError("CKV gather called before begin_step")
@@ -296,9 +312,13 @@ class PrefetchOrchestrator:
             raise ValueError("signal: the in-program signal needs the call's work in one program; "
                              "it does not combine with ready or after")
         state = self.lane(key)
+        write = written is not None
         if layer is None:                      # no layer index: no lookahead for this call
             dcp_step.check_caches(self.fmt, cache, plan)
-            ws = self._own_and_prefetches(state, 0, cache, kv_c, k_pe, (), after, ready, signal)
+            if write:
+                self._check_chunk(kv_c, k_pe)
+            ws = self._own_and_prefetches(state, 0, cache, kv_c, k_pe, (), after, ready, signal,
+                                          cache if write else None, written)
             self.decisions.append((key, None, "sync", ()))
             return ws
         self.enter_layer(layer, key)
@@ -307,30 +327,39 @@ class PrefetchOrchestrator:
         if state.caches[layer] is not cache:   # checked once per cache object: the layout is fixed
             dcp_step.check_caches(self.fmt, cache, plan)
             state.caches[layer] = cache
+        if layer in state.pending or write:
+            self._check_chunk(kv_c, k_pe)
         if layer in state.pending:
-            if self._checked_chunk is None or self._checked_chunk[0] is not kv_c or \
-                    self._checked_chunk[1] is not k_pe:
-                dcp_step.check_chunk(self.fmt, kv_c, k_pe, plan, rows=self._arrays.chunk_rows.shape[0])
-                self._checked_chunk = (kv_c, k_pe)     # the torch bridge passes the same buffers every layer
             index, own_cache, how = state.pending.pop(layer), None, "prefetched"
         else:
             index, own_cache, how = layer % self.slots, cache, "sync"
         targets = target_layers(layer, self.depth, state.registered(), state.pending, PREFETCHES_PER_DISPATCH)
-        ws = self._own_and_prefetches(state, index, own_cache, kv_c, k_pe, targets, after, ready, signal)
+        ws = self._own_and_prefetches(state, index, own_cache, kv_c, k_pe, targets, after, ready, signal,
+                                      cache if write else None, written)
+        if write:
+            state.caches[layer] = written[0]   # the donated cache's successor (same memory)
         self.decisions.append((key, layer, how, tuple(targets)))
         return ws
 
+    def _check_chunk(self, kv_c, k_pe):
+        if self._checked_chunk is None or self._checked_chunk[0] is not kv_c or self._checked_chunk[1] is not k_pe:
+            dcp_step.check_chunk(self.fmt, kv_c, k_pe, self._plan, rows=self._arrays.chunk_rows.shape[0])
+            self._checked_chunk = (kv_c, k_pe)     # the torch bridge passes the same buffers every layer
+
     def _own_and_prefetches(self, state: LaneState, index: int, own_cache, kv_c, k_pe, targets, after, ready,
-                            signal):
+                            signal, write_cache=None, written=None):
         """Slot `index` patched (own_cache None) or gathered from own_cache, then the gathers of
         `targets`: one program, or with `ready` / `after` the own work, ready(workspace), then
-        each prefetch, as programs that take `after`."""
+        each prefetch, as programs that take `after`.  write_cache, written: see `_dispatch`."""
+        if written is not None and (ready is not None or after is not None):
+            raise ValueError("write_and_gather: the cache write is part of the layer's one program; "
+                             "it does not combine with ready or after")
         if ready is None and after is None:
             if targets or signal is None:
-                return self._dispatch(state, index, own_cache, kv_c, k_pe, targets, signal)
+                return self._dispatch(state, index, own_cache, kv_c, k_pe, targets, signal, write_cache, written)
             # nothing follows the own work in its program: the host marks the same point right
             # after the dispatch, which saves the in-program callback
-            ws = self._dispatch(state, index, own_cache, kv_c, k_pe, (), None)
+            ws = self._dispatch(state, index, own_cache, kv_c, k_pe, (), None, write_cache, written)
             signal(None)
             return ws
         ws = self._dispatch_after(state, index, own_cache, kv_c, k_pe, after)
@@ -339,9 +368,12 @@ class PrefetchOrchestrator:
         self._prefetches_after(state, targets, after)
         return ws
 
-    def _dispatch(self, state: LaneState, index, own_cache, kv_c, k_pe, targets, signal):
+    def _dispatch(self, state: LaneState, index, own_cache, kv_c, k_pe, targets, signal, write_cache=None,
+                  written=None):
         """One `dcp_step.layer_program`: slot `index` (None: none) patched or gathered, then the
-        gathers of the layers `targets` into their ring slots, which become pending."""
+        gathers of the layers `targets` into their ring slots, which become pending.
+        write_cache: the layer's cache (donated), which the program first writes the chunk into
+        (and gathers, when own_cache is the same cache); `written` (a list) receives its result."""
         targets_slots = [t % self.slots for t in targets]
         indices = ([] if index is None else [index]) + targets_slots
         for i in ([index] if own_cache is not None else []) + targets_slots:   # the slots a gather overwrites
@@ -349,11 +381,14 @@ class PrefetchOrchestrator:
 
         def program(slots):
             own = slots[0] if index is not None else None
-            ws, prefetched = dcp_step.layer_program(
-                own, own_cache, kv_c, k_pe, self._arrays, tuple(state.caches[t] for t in targets),
-                tuple(slots[len(slots) - len(targets):]), mesh=self.mesh, layout=self.fmt.layout,
-                axis_name=self.axis_name, implementation=self.implementation, interpret=self.interpret,
-                prefetch_tiles=self.prefetch_tiles, signal=signal)
+            ws, prefetched, cache = dcp_step.layer_program(
+                own, None if write_cache is not None else own_cache, kv_c, k_pe, self._arrays,
+                tuple(state.caches[t] for t in targets), tuple(slots[len(slots) - len(targets):]), write_cache,
+                mesh=self.mesh, layout=self.fmt.layout, axis_name=self.axis_name,
+                implementation=self.implementation, interpret=self.interpret, prefetch_tiles=self.prefetch_tiles,
+                signal=signal, gather_written=write_cache is not None and own_cache is not None)
+            if write_cache is not None:
+                written.append(cache)
             return ([] if ws is None else [ws]) + list(prefetched)
 
         self._into_slots(state, indices, program)

@@ -10,8 +10,9 @@ of one `jax.distributed` run, whose mesh axis `dcp` spans one device per process
             kv_c, k_pe = adapter.chunk_buffers()                             # bf16 [T, 512], [T, 64]
             ...the engine writes the layer's latents into them...
             adapter.set_current_chunk(kv_c, k_pe)                            # (other tensors: copied)
-            ...and the chunk into kv_caches[layer]...
+            ...and the chunk into kv_caches[layer]...                       # (or, instead:)
             ws = adapter.gather(layer, kv_caches[layer])                     # torch u8[D * C, R]
+            # ws = adapter.gather(layer, kv_caches[layer], write_cache=True)  # the adapter writes it
             ...attention over ws[:adapter.rows] with adapter.remap_topk(topk)...
     else: ...the stock path...
     adapter.close()
@@ -28,7 +29,9 @@ while torch computes layer L.  Two ordering protocols, chosen once (`ordering`):
   writes).  Per call: JAX's stream waits on an event of torch's current stream (so JAX
   runs after torch's cache writes, the chunk copy and torch's reads of a slot it reuses; a
   patch of latents in the chunk buffers waits only for the point `set_current_chunk` marked,
-  so it runs beside the cache write); one program patches (or gathers) the layer's slot,
+  so it runs beside the cache write); one program writes the layer's cache when the engine
+  leaves that to it (`write_cache=True`; with a patch, one kernel stores each record into the
+  cache and the slot), patches (or gathers) the layer's slot,
   records an event on JAX's stream from inside the program (`dcp_step.signal_when_ready`, in
   native code where it can be built), makes JAX's stream wait for torch's point of the call,
   then gathers the later layers; torch's stream waits on that event, so torch never waits for
@@ -51,12 +54,12 @@ import numpy as np
 import torch
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ckv_jax import formats, full_ckv, placement, validation
+from ckv_jax import dcp_step, formats, full_ckv, placement, validation
 from ckv_jax.dcp_layout import DcpLayout
 from ckv_jax.prefetch import PrefetchOrchestrator, WorkspacePool, slot_still_referenced
 from ckv_jax.prefetch_config import GatherConfig
 from ckv_jax.step_plan import build_step_plan
-from interop import bridge, stream_handoff
+from interop import bridge, stream_handoff, torch_records
 
 log = logging.getLogger("ckv_jax.interop")
 
@@ -129,6 +132,7 @@ class TorchCkvAdapter:
         if len(local) != 1:
             raise ValueError(f"mesh: expected one device of this process (one process per GPU), got {len(local)}")
         self.mesh, self.device = mesh, local[0]
+        self._rank = list(mesh.devices.flat).index(self.device)     # this process's place on the DCP axis
         # torch's device of the same memory: the GPU of JAX's device, or the host
         self.torch_device = torch.device("cuda", self.device.local_hardware_id) if self.device.platform == "gpu" \
             else torch.device("cpu")
@@ -153,6 +157,7 @@ class TorchCkvAdapter:
         self._chunk_buffers: dict = {}     # cuda-events: (dtype, width) -> (torch buffer, its JAX array)
         self._chunk_views: dict = {}       # cuda-events: (dtype, width) -> this step's rows of that buffer
         self._keepalive: list = []         # torch tensors JAX may still read this step
+        self._host_slots = None            # DLPack path: this rank's cache slot of every chunk token
 
     def _stream_events(self, ordering, native_signal):
         if ordering == "dlpack" or self.device.platform != "gpu" or not torch.cuda.is_available():
@@ -202,6 +207,7 @@ class TorchCkvAdapter:
             return False
         table = self._host_table(block_table)
         if self.events is None:
+            self._host_slots = dcp_step.dcp_slot_mapping(plan, table)[self._rank]     # for write_cache
             self.orch.begin_step(plan, table, prefetch=False)
             return True
         self._chunk_rows = max(self._chunk_rows, 1 << max(plan.num_tokens - 1, 0).bit_length())
@@ -265,31 +271,65 @@ class TorchCkvAdapter:
         self.events.mark_latents(self.events.torch_stream())
 
     def gather(self, layer_idx: int | None, kv_cache: torch.Tensor, *, lane="target",
-               after: torch.cuda.Event | torch.cuda.Stream | None = None) -> torch.Tensor:
+               after: torch.cuda.Event | torch.cuda.Stream | None = None, write_cache: bool = False) -> torch.Tensor:
         """This layer's gathered workspace u8[D * C, R] (rank-major rows, current chunk patched)
         as a torch view, after the layer wrote its chunk into `kv_cache` u8[num_blocks, block_size, R].
 
         layer_idx None: no lookahead for this call.  after: an event or stream of cache writes
         made on another torch stream than the current one.  The view is ordered for torch's
         current stream; a reader on another stream waits for this one first.
+        write_cache: the engine leaves this layer's cache write to this call, which writes the
+        chunk (`set_current_chunk`'s latents) into `kv_cache` with ckv-jax's writer, through the
+        step's slot mapping, before the gather; the written cache is ordered for torch's current
+        stream like the view.  With the cuda-events ordering the write is part of the layer's one
+        program, in place in `kv_cache`, and waits only for the latents' mark (the engine must
+        not write or read the cache of this layer between the mark and the call); with the
+        DLPack path JAX encodes the records and torch scatters them (`torch_records.write`).
         """
         self._require_step("gather")
+        if not isinstance(write_cache, bool):
+            raise TypeError(f"write_cache: expected a bool, got {type(write_cache).__name__}")
         if self._chunk is None:
             raise RuntimeError("gather: call set_current_chunk(kv_c, k_pe) for this layer first")
         cache = self._cache(lane, layer_idx, kv_cache)
         bridge.join_stream(kv_cache.device, after)
         chunk, self._chunk = self._chunk, None
         if self.events is None:
+            if write_cache:
+                self._write_dlpack(kv_cache, chunk)
             return self._gather_dlpack(layer_idx, lane, cache, chunk)
         stream = self.events.torch_stream()
         patch = self.orch.is_pending(layer_idx, lane)
-        kv_c, k_pe = self._chunk_on_device(chunk) if patch else (None, None)
+        kv_c, k_pe = self._chunk_on_device(chunk) if patch or write_cache else (None, None)
         # after the cache write, the chunk copy and torch's reads of reused slots; a patch of
         # latents marked final only after that mark (its prefetches wait for the rest in-program)
         self.events.jax_after_torch(stream, latents_only=patch and self._chunk_marked)
-        ws = self.orch.gather(layer_idx, cache, kv_c, k_pe, key=lane, signal=self.events.signal)
+        if write_cache:
+            written, ws = self.orch.write_and_gather(layer_idx, cache, kv_c, k_pe, key=lane,
+                                                     signal=self.events.signal)
+            self._rebind(lane, layer_idx, kv_cache, written)
+        else:
+            ws = self.orch.gather(layer_idx, cache, kv_c, k_pe, key=lane, signal=self.events.signal)
         self.events.torch_after_signal(stream)  # torch waits for this layer's slot, not for the prefetches
         return self.orch.pool.tensor_of(ws).detach()    # a view: the slot's reuse check counts it
+
+    def _rebind(self, lane, layer_idx, kv_cache: torch.Tensor, written: jax.Array):
+        """The written cache (the donated one's successor) as the binding of `kv_cache`, which it
+        must alias: JAX wrote torch's memory in place, or the write is lost and this raises."""
+        pointer = written.addressable_data(0).unsafe_buffer_pointer()
+        if pointer != kv_cache.data_ptr():
+            raise RuntimeError(f"kv_cache: JAX wrote the chunk into a copy at 0x{pointer:x}, not into the torch "
+                               f"cache at 0x{kv_cache.data_ptr():x} (a donated cache was copied)")
+        if layer_idx is not None:
+            self._caches[(lane, layer_idx)] = (kv_cache.data_ptr(), tuple(kv_cache.shape), written, kv_cache)
+
+    def _write_dlpack(self, kv_cache: torch.Tensor, chunk):
+        """The DLPack path's cache write: JAX encodes the chunk's records (XLA on a CPU would
+        write a donated import into a copy), torch scatters this rank's into `kv_cache`."""
+        kv_c, k_pe = (self._replicated(bridge.to_jax(t, name=n, device=self.device), t)
+                      for n, t in zip(("kv_c", "k_pe"), chunk))
+        records = bridge.to_torch(self.fmt.encode(kv_c, k_pe).addressable_data(0), name="records")
+        torch_records.write(kv_cache, records, self._host_slots)
 
     def _gather_dlpack(self, layer_idx, lane, cache, chunk):
         # imported now, after the engine's cache write: every computation of this call takes kv_c

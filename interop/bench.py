@@ -9,7 +9,12 @@ latents, indexer, cache write, attention); the default 0 puts nothing there, so 
 hand-offs between the streams lie on torch's path (the worst case).  The chunk's latents come in the adapter's
 `chunk_buffers` (`--latents in-place`: the engine's projection writes them there, so the step's
 first fill is untimed and no layer copies them) or as the engine's own tensors, which the
-adapter copies per layer (`--latents copied`).  Two kinds of
+adapter copies per layer (`--latents copied`).  The engine writes each layer's cache itself
+(`--cache-writes engine`: the records scattered in 8-byte words, `--engine-write words`, as an
+engine's writer kernel stores them, or byte by byte, `bytes`, torch's element-wise kernel that
+earlier runs used), or leaves it to the adapter (`adapter`: `gather(..., write_cache=True)`
+writes it with ckv-jax's writer in the layer's program); the compute alone always has the
+engine's write.  Two kinds of
 compute: `sleep` (`torch.cuda._sleep`: one spinning CTA, the SMs stay free, so this measures the
 ordering machinery alone) and `matmul` (bf16 matmuls that fill every SM: the realistic worst
 case).  Per row:
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import statistics
 import sys
@@ -62,7 +68,13 @@ class Workload:
     """The torch engine's side of one step: caches, table, chunk latents and device slots."""
 
     def __init__(self, history: int, chunk: int, layers: int, block_size: int = 64, seed: int = 0,
-                 chunk_in_place: bool = True, mark_before_write: bool = True, native_signal: bool = True):
+                 chunk_in_place: bool = True, mark_before_write: bool = True, native_signal: bool = True,
+                 cache_write: str = "engine", engine_write: str = "words"):
+        if cache_write not in CACHE_WRITES:
+            raise ValueError(f"cache_write: expected one of {CACHE_WRITES}, got {cache_write!r}")
+        if engine_write not in ENGINE_WRITES:
+            raise ValueError(f"engine_write: expected one of {ENGINE_WRITES}, got {engine_write!r}")
+        self.cache_write, self.engine_write = cache_write, engine_write
         self.chunk_in_place = chunk_in_place
         self.mark_before_write = mark_before_write
         self.native_signal = native_signal
@@ -80,6 +92,7 @@ class Workload:
         self.kv = (torch.randn(chunk, 512, device="cuda", generator=gen) * 3).to(torch.bfloat16)
         self.pe = torch.randn(chunk, 64, device="cuda", generator=gen).to(torch.bfloat16)
         self.records = torch_records.encode(FMT.name, self.kv, self.pe)
+        self.record_words = self.records.view(torch.int64)          # 82 words a record
         self.stand_in = torch.zeros((1, FMT.record_bytes), dtype=torch.uint8, device="cuda")
         slots = self.layout.slot_mapping(self.plan.positions(), self.plan.req_id_per_token,
                                          self.table_host.numpy(), 0)
@@ -94,10 +107,17 @@ class Workload:
             **({} if self.native_signal else dict(native_signal=False)))
 
     def write(self, layer: int, indexer=None):
-        """The layer's cache write, after the indexer's compute (`layers`) when given."""
+        """The layer's cache write by the engine, after the indexer's compute (`layers`) when
+        given: the step's records scattered into their slots as 8-byte words (`words`, as an
+        engine's writer kernel stores them) or as bytes (`bytes`: torch's element-wise kernel,
+        about 5,000 CTAs that fill the SMs for ~11 us)."""
         if indexer is not None:
             indexer()
-        self.caches[layer].view(-1, FMT.record_bytes).index_copy_(0, self.slots, self.records)
+        rows = self.caches[layer].view(-1, FMT.record_bytes)
+        if self.engine_write == "words":
+            rows.view(torch.int64).index_copy_(0, self.slots, self.record_words)
+        else:
+            rows.index_copy_(0, self.slots, self.records)
 
     def begin_step(self, adapter) -> bool:
         began = adapter.begin_step(self.seq, self.q, self.table_host)
@@ -115,7 +135,8 @@ class Workload:
         self.layers(adapter, compute, host, jax_events)
 
     def layers(self, adapter, compute=None, host=None, jax_events=None, indexer=None, after_layer=None):
-        """The layer loop of a begun step (adapter None: compute and cache writes only).  host: a
+        """The layer loop of a begun step (adapter None: compute and the engine's cache writes
+        only; with an adapter and `cache_write="adapter"` the adapter's gather writes them).  host: a
         list that receives each layer's adapter host time; jax_events: a list that receives
         (start, end) events recorded on JAX's stream around each layer's calls; indexer: compute
         queued just before the cache write (after the latents' mark, unless marked after the write);
@@ -135,15 +156,19 @@ class Workload:
                 adapter.events.jax_after_torch(adapter.events.torch_stream())
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(adapter.events.jax_stream)
-            if not self.mark_before_write:
+            adapter_writes = self.cache_write == "adapter"
+            if not (self.mark_before_write or adapter_writes):
                 self.write(layer, indexer)
             t0 = time.perf_counter()
             adapter.set_current_chunk(*self.latents)     # the latents are final
             t1 = time.perf_counter()
-            if self.mark_before_write:
+            if adapter_writes:
+                if indexer is not None:
+                    indexer()
+            elif self.mark_before_write:
                 self.write(layer, indexer)
             t2 = time.perf_counter()
-            ws = adapter.gather(layer, cache)
+            ws = adapter.gather(layer, cache, write_cache=adapter_writes)
             if host is not None:
                 host.append(t1 - t0 + time.perf_counter() - t2)
             if jax_events is not None:
@@ -252,6 +277,8 @@ def pack_bandwidth(work: Workload, programs, calls: int = 20) -> list[dict]:
 
 
 STREAMS = ("default", "side", "priority")
+CACHE_WRITES = ("engine", "adapter")       # who writes each layer's cache in a step with the adapter
+ENGINE_WRITES = ("words", "bytes")         # the engine's stand-in cache write (`Workload.write`)
 
 
 def torch_stream(kind: str) -> torch.cuda.Stream:
@@ -322,50 +349,57 @@ def _interleaved(work: Workload, adapters: dict, depths, compute, trials: int, w
 
 
 def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, prefetch_programs=None,
-        chunk_in_place=True, mark_before_write=True, native_signal=True, indexer_pct=0.0) -> list[dict]:
+        chunk_in_place=True, mark_before_write=True, native_signal=True, indexer_pct=0.0,
+        cache_writes=("engine",), engine_write="words") -> list[dict]:
     """The rows of the matrix (module docstring).  indexer_pct: the share of each X queued just
-    before the cache write (0: none)."""
+    before the cache write (0: none).  cache_writes: who writes the caches in the steps with the
+    adapter (`CACHE_WRITES`), each a set of rows; the compute alone always has the engine's
+    write, `engine_write` (`ENGINE_WRITES`)."""
     rows = []
     computes = {x: compute_kernels(x * (1 - indexer_pct / 100)) for x in compute_ms}
     indexers = {x: compute_kernels(x * indexer_pct / 100) if indexer_pct else None for x in compute_ms}
     for history in histories:
         work = Workload(history, chunk, layers, chunk_in_place=chunk_in_place, mark_before_write=mark_before_write,
-                        native_signal=native_signal)
+                        native_signal=native_signal, engine_write=engine_write)
         adapters = {d: work.adapter(d, prefetch_programs) for d in depths}
         base = adapters[min(depths)]
-        gather_ms = _jax_ms_per_layer(work, base, trials)
+        gather_ms = {}
+        for cache_write in cache_writes:
+            work.cache_write = cache_write
+            gather_ms[cache_write] = _jax_ms_per_layer(work, base, trials)
         for stream_kind in streams:
             stream = torch_stream(stream_kind)
             with torch.cuda.stream(stream):
-                for kind in kinds:
-                    for x in compute_ms:
-                        compute = computes[x][kind]
-                        indexer = indexers[x] and indexers[x][kind]
-                        probe = host_probe_us()
-                        compute_only, steps, host, begin = _interleaved(work, adapters, depths, compute, trials,
-                                                                        indexer=indexer)
-                        x_ms = statistics.median(compute_only) / layers
-                        by_depth = {}
-                        for depth in depths:
-                            by_depth[depth] = statistics.median(steps[depth])
-                            rows.append(dict(
-                                compute_kind=kind, torch_stream=stream_kind, depth=depth, history=history,
-                                chunk=chunk, layers=layers, ordering=adapters[depth].ordering,
-                                chunk_latents="in-place" if chunk_in_place else "copied",
-                                latents_marked="before-write" if mark_before_write else "after-write",
-                                indexer_pct=indexer_pct,
-                                signal=_signal_kind(adapters[depth]),
-                                prefetch_tiles=str(adapters[depth].orch.prefetch_tiles),
-                                compute_ms_per_layer=x_ms, gather_ms_per_layer=gather_ms,
-                                compute_only_ms=statistics.median(compute_only), step_ms=by_depth[depth],
-                                spread_pct=100 * (max(steps[depth]) - min(steps[depth])) / by_depth[depth],
-                                host_us_per_layer=1e6 * statistics.median(host[depth]),
-                                begin_step_us=1e6 * statistics.median(begin[depth]),
-                                host_probe_jax_us=probe["jax"], host_probe_torch_us=probe["torch"]))
-                        exposed0 = by_depth[min(depths)] - statistics.median(compute_only)
-                        for r in rows[-len(depths):]:
-                            r["hidden_pct"] = 100 * (1 - (r["step_ms"] - r["compute_only_ms"]) / exposed0)
-                        print(_line(rows[-len(depths):]), flush=True)
+                for kind, x, cache_write in itertools.product(kinds, compute_ms, cache_writes):
+                    work.cache_write = cache_write
+                    compute = computes[x][kind]
+                    indexer = indexers[x] and indexers[x][kind]
+                    probe = host_probe_us()
+                    compute_only, steps, host, begin = _interleaved(work, adapters, depths, compute, trials,
+                                                                    indexer=indexer)
+                    x_ms = statistics.median(compute_only) / layers
+                    by_depth = {}
+                    for depth in depths:
+                        by_depth[depth] = statistics.median(steps[depth])
+                        rows.append(dict(
+                            compute_kind=kind, torch_stream=stream_kind, depth=depth, history=history,
+                            chunk=chunk, layers=layers, ordering=adapters[depth].ordering,
+                            cache_write=cache_write, engine_write=engine_write,
+                            chunk_latents="in-place" if chunk_in_place else "copied",
+                            latents_marked="before-write" if mark_before_write else "after-write",
+                            indexer_pct=indexer_pct,
+                            signal=_signal_kind(adapters[depth]),
+                            prefetch_tiles=str(adapters[depth].orch.prefetch_tiles),
+                            compute_ms_per_layer=x_ms, gather_ms_per_layer=gather_ms[cache_write],
+                            compute_only_ms=statistics.median(compute_only), step_ms=by_depth[depth],
+                            spread_pct=100 * (max(steps[depth]) - min(steps[depth])) / by_depth[depth],
+                            host_us_per_layer=1e6 * statistics.median(host[depth]),
+                            begin_step_us=1e6 * statistics.median(begin[depth]),
+                            host_probe_jax_us=probe["jax"], host_probe_torch_us=probe["torch"]))
+                    exposed0 = by_depth[min(depths)] - statistics.median(compute_only)
+                    for r in rows[-len(depths):]:
+                        r["hidden_pct"] = 100 * (1 - (r["step_ms"] - r["compute_only_ms"]) / exposed0)
+                    print(_line(rows[-len(depths):]), flush=True)
         for a in adapters.values():
             a.close()
         work = adapters = base = None                     # free the caches and pools before the next history
@@ -373,7 +407,7 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
     return rows
 
 
-HEADER = (f"{'kind':>6} {'stream':>7} {'history':>8} {'X ms':>6} {'gather ms':>9} {'compute ms':>10} "
+HEADER = (f"{'kind':>6} {'stream':>7} {'writer':>7} {'history':>8} {'X ms':>6} {'gather ms':>9} {'compute ms':>10} "
           f"{'depth: step ms (hidden %, host us/layer, spread %)  host probe jax/torch'}")
 
 
@@ -381,7 +415,8 @@ def _line(rows) -> str:
     r0 = rows[0]
     cells = "  ".join(f"d{r['depth']} {r['step_ms']:7.2f} ({r['hidden_pct']:5.1f}%, {r['host_us_per_layer']:4.0f}, "
                       f"{r['spread_pct']:.1f})" for r in rows)
-    return (f"{r0['compute_kind']:>6} {r0['torch_stream']:>7} {r0['history']:>8} {r0['compute_ms_per_layer']:6.2f} "
+    return (f"{r0['compute_kind']:>6} {r0['torch_stream']:>7} {r0['cache_write']:>7} {r0['history']:>8} "
+            f"{r0['compute_ms_per_layer']:6.2f} "
             f"{r0['gather_ms_per_layer']:9.3f} {r0['compute_only_ms']:10.2f} {cells}  "
             f"probe {r0['host_probe_jax_us']:.0f}/{r0['host_probe_torch_us']:.0f} us")
 
@@ -422,6 +457,12 @@ def main(argv=None) -> int:
     ap.add_argument("--indexer-pct", type=float, default=0.0,
                     help="percent of X queued between the latents' mark and the cache write, where a "
                          "sparse-MLA layer runs its indexer (default %(default)s: none, the worst case)")
+    ap.add_argument("--cache-writes", type=lambda t: t.split(","), default=["engine"],
+                    help=f"who writes each layer's cache in the steps with the adapter, of {', '.join(CACHE_WRITES)}: "
+                         "the engine (torch) or the adapter's gather (write_cache=True) (default %(default)s)")
+    ap.add_argument("--engine-write", choices=ENGINE_WRITES, default="words",
+                    help="the engine's stand-in cache write: the records scattered as 8-byte words or as bytes "
+                         "(default %(default)s)")
     ap.add_argument("--signal", choices=["native", "callback"], default="native",
                     help="the layer program's in-program signal: the native custom call, or the Python "
                          "callback (default %(default)s)")
@@ -437,6 +478,10 @@ def main(argv=None) -> int:
         print("--depths: depth 0 is the baseline of hidden_pct; include it", file=sys.stderr)
         return 2
     args.depths = sorted(args.depths)
+    unknown = [k for k in args.cache_writes if k not in CACHE_WRITES]
+    if unknown:
+        print(f"--cache-writes: expected names of {', '.join(CACHE_WRITES)}, got {unknown}", file=sys.stderr)
+        return 2
     unknown = [k for k in args.streams if k not in STREAMS]
     if unknown:
         print(f"--streams: expected names of {', '.join(STREAMS)}, got {unknown}", file=sys.stderr)
@@ -449,7 +494,7 @@ def main(argv=None) -> int:
     print(HEADER, flush=True)
     rows = run(args.histories, args.chunk, args.layers, args.depths, args.compute_ms, args.kinds, args.streams,
                args.trials, args.prefetch_programs, args.latents == "in-place", args.mark == "before-write",
-               args.signal == "native", args.indexer_pct)
+               args.signal == "native", args.indexer_pct, args.cache_writes, args.engine_write)
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), jax=jax.__version__, torch=torch.__version__,
                        command="python -m interop.bench " + " ".join(argv if argv is not None else sys.argv[1:]),

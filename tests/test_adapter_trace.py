@@ -54,3 +54,20 @@ def test_summarize_reads_a_saved_trace(tmp_path, capsys):
     assert "over 2 boundaries" in out[1] and "patch before the cache write in 1 of 2" in out[1]
     assert "compute end -> cache write 3.5" in out[1]                # the median of 5 and 2
     assert out[3].startswith("  layer phases: none")
+
+
+def test_jax_write_phases_span_the_cache_write_and_patch_to_the_consumer():
+    """The adapter writes the cache: after each compute JAX's cache write and patch run, torch's
+    stream has only the consumer."""
+    ks = sorted([
+        kernel(TORCH, "spin_kernel", 0, 1000),
+        kernel(JAX, "ckv_write_records_fp8_tiles_r656", 1004, 3),     # the cache write 1004-1007
+        kernel(JAX, "ckv_write_records_fp8_tiles_r656", 1007, 4),     # the patch 1007-1011
+        kernel(JAX, "ckv_gather_records_r656", 1012, 120),            # a prefetch
+        kernel(TORCH, "direct_copy_kernel", 1014, 3),                 # consumer: 3 after the patch
+        kernel(TORCH, "spin_kernel", 1020, 1000),
+        kernel(TORCH, "spin_kernel", 2030, 1000),                     # no JAX write: skipped
+    ], key=lambda k: k["start"])
+    phases = adapter_trace.jax_write_phases(ks)
+    assert phases == [dict(to_write=4.0, write=7.0, to_consumer=3.0, to_next=6.0, total=20.0)]
+    assert "cache write and patch 7.0, -> consumer 3.0" in adapter_trace.phase_lines(ks, "adapter")

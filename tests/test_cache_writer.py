@@ -52,6 +52,35 @@ def test_writer_matches_oracle(implementation, name, tokens, kv_dtype):
     assert_bytes_equal(out, _expected_cache(poison, slots, oracle_records(name, kv_c, k_pe)), "cache")
 
 
+@pytest.mark.parametrize("name", ["fp8_ds_mla", "nvfp4_ds_mla"])
+def test_writing_to_several_caches_stores_each_record_at_each_caches_slot(implementation, name):
+    """`write_records_to_all`: one call writes the tokens into a paged cache and into a workspace
+    of one-record blocks (the adapter's cache write and patch), each at its own slots (some
+    skipped, some out of range, different per destination); every other row keeps its poison,
+    and the caches are updated in place."""
+    fmt = formats.get(name)
+    rng = np.random.default_rng(len(name))
+    tokens = 45
+    kv_c, k_pe = random_kv(rng, tokens)
+    records = oracle_records(name, kv_c, k_pe)
+    poisons = [rng.integers(0, 256, (6, 16, fmt.record_bytes), dtype=np.uint8),
+               rng.integers(0, 256, (130, 1, fmt.record_bytes), dtype=np.uint8)]
+    slots = [rng.permutation(96)[:tokens].astype(np.int32), rng.permutation(130)[:tokens].astype(np.int32)]
+    slots[0][1::4] = -1
+    slots[0][2] = 96
+    slots[1][3::5] = -1
+    slots[1][4] = np.iinfo(np.int32).max
+    caches = tuple(jnp.asarray(p) for p in poisons)
+    outs = jax.jit(lambda c, a, b, s: cache_writer.write_records_to_all(c, a, b, s, layout=fmt.layout, **implementation),
+                   donate_argnums=0)(caches, jnp.asarray(kv_c), jnp.asarray(k_pe), tuple(jnp.asarray(x) for x in slots))
+    assert all(c.is_deleted() for c in caches)
+    for k, (out, poison, s) in enumerate(zip(outs, poisons, slots)):
+        assert_bytes_equal(out, _expected_cache(poison, s, records), f"cache {k}")
+    with pytest.raises(ValueError, match=r"slot_mappings: expected one per cache \(2\), got 1"):
+        cache_writer.write_records_to_all(outs, jnp.asarray(kv_c), jnp.asarray(k_pe), (jnp.asarray(slots[0]),),
+                                          layout=fmt.layout)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_writer_edge_values_match_oracle(name, kernel_mode):
     """NaN/Inf/subnormal/extreme latents through the Pallas kernel, as in test_formats."""

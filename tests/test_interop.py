@@ -115,6 +115,35 @@ def test_adapter_workspaces_equal_the_pure_jax_gather(depth):
     adapter.close()
 
 
+@pytest.mark.parametrize("depth", [0, 2])
+def test_write_cache_leaves_the_engines_bytes_in_its_own_cache(depth):
+    """gather(..., write_cache=True) on the DLPack path: the adapter writes the chunk into the
+    engine's torch cache (the same tensor, the bytes torch's own write gives; garbage in the
+    other slots stays) and every workspace is the gather of that cache."""
+    layers = 3
+    ours, theirs = TorchEngine(1, 0, FP8, layers), TorchEngine(1, 0, FP8, layers)
+    adapter = _adapter(depth, ours)
+    for hist, q in STEPS:
+        plan = ours.plan(hist, q, min_world_size=1)
+        assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), ours.block_table)
+        for layer in range(layers):
+            kv, pe = ours.chunk(plan.num_tokens)
+            theirs.chunk(plan.num_tokens)                 # keeps the twins' latents in step
+            theirs.write(layer, plan, kv, pe)
+            pointer = ours.caches[layer].data_ptr()
+            adapter.set_current_chunk(kv, pe)
+            ws = adapter.gather(layer, ours.caches[layer], write_cache=True)
+            got = ws[:adapter.rows].numpy().copy()
+            del ws
+            assert ours.caches[layer].data_ptr() == pointer
+            np.testing.assert_array_equal(ours.caches[layer].numpy(), theirs.caches[layer].numpy())
+            np.testing.assert_array_equal(got, ours.gathered_now(ours.caches[layer], plan))
+    adapter.set_current_chunk(kv, pe)
+    with pytest.raises(TypeError, match="write_cache: expected a bool, got int"):
+        adapter.gather(0, ours.caches[0], write_cache=1)
+    adapter.close()
+
+
 def test_chunk_buffers_on_the_dlpack_path_are_fresh_tensors_the_engine_fills():
     """chunk_buffers() before a layer's gather: kv_c and k_pe of the step's T rows, written by the
     engine and taken by set_current_chunk; every workspace exact; a wrong dtype is named."""

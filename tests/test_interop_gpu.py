@@ -159,6 +159,75 @@ def test_latents_marked_before_the_cache_write_keep_every_order(depth, stream, s
     adapter.close()
 
 
+@pytest.mark.parametrize("depth", range(4))
+@pytest.mark.parametrize("stream", ["default", "side"])
+def test_the_adapter_writes_the_cache_in_place_in_every_order(depth, stream):
+    """gather(..., write_cache=True): the engine writes its latents into `chunk_buffers()` behind
+    long matmuls, marks them, reads the previous layer's workspace behind more matmuls and
+    leaves the cache write to the call.  Every workspace read is exact, every cache holds the
+    bytes torch's own write gives (read on torch's stream right after the call, in torch's own
+    memory), also where the chunk buffers hold more rows than the step."""
+    layers = 4
+    ours = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
+    theirs = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
+    adapter = _adapter(depth, layers=layers)
+    pointers = [c.data_ptr() for c in ours.caches]
+    a = torch.randn(4096, 4096, device="cuda")
+    small = (STEPS[0][0], np.array([2, 2, 2]))       # buffers of 64 rows after the first steps: 6 tokens in them
+    for torch_stream, plan, hist, q in list(_two_rounds_of_steps(ours, stream)) + [
+            (torch.cuda.current_stream(), ours.plan(*small, min_world_size=1), *small)]:
+        with torch.cuda.stream(torch_stream):
+            assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), ours.block_table.cpu())
+            got, want, caches, previous = [], [], [], None
+            for layer in range(layers):
+                kv, pe = ours.chunk(plan.num_tokens)
+                theirs.chunk(plan.num_tokens)
+                kv_c, k_pe = adapter.chunk_buffers()
+                for _ in range(4):
+                    a = (a @ a).clamp_(-1, 1)         # the latents come late
+                kv_c.copy_(kv)
+                k_pe.copy_(pe)
+                adapter.set_current_chunk(kv_c, k_pe)
+                for _ in range(4):
+                    a = (a @ a).clamp_(-1, 1)         # the read of the previous workspace comes late
+                if previous is not None:
+                    got.append(previous[:adapter.rows].clone())
+                    previous = None
+                theirs.write(layer, plan, kv, pe)
+                previous = adapter.gather(layer, ours.caches[layer], write_cache=True)
+                caches.append(ours.caches[layer].clone())
+                want.append(theirs.caches[layer].clone())
+            got.append(previous[:adapter.rows].clone())
+            del previous
+            torch_stream.synchronize()
+        for layer in range(layers):
+            np.testing.assert_array_equal(caches[layer].cpu().numpy(), want[layer].cpu().numpy(),
+                                          err_msg=f"cache: depth {depth} {stream} T {plan.num_tokens} layer {layer}")
+            np.testing.assert_array_equal(got[layer].cpu().numpy(), ours.gathered_now(want[layer], plan),
+                                          err_msg=f"depth {depth} {stream} T {plan.num_tokens} layer {layer}")
+    assert [c.data_ptr() for c in ours.caches] == pointers
+    if depth:
+        assert {how for _, _, how, _ in adapter.orch.decisions[1:]} == {"prefetched"}
+    adapter.close()
+
+
+def test_a_cache_write_that_misses_the_torch_cache_is_an_error(monkeypatch):
+    """The adapter proves the cache write landed in torch's memory: a written cache that is a
+    copy (here made so) raises instead of being bound."""
+    engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), 1, device="cuda")
+    adapter = _adapter(0, layers=1)
+    hist, q = STEPS[0]
+    plan = engine.plan(hist, q, min_world_size=1)
+    assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu())
+    real = adapter.orch.write_and_gather
+    monkeypatch.setattr(adapter.orch, "write_and_gather",
+                        lambda *args, **kw: (lambda cache, ws: (jnp.copy(cache), ws))(*real(*args, **kw)))
+    adapter.set_current_chunk(*engine.chunk(plan.num_tokens))
+    with pytest.raises(RuntimeError, match="kv_cache: JAX wrote the chunk into a copy at 0x"):
+        adapter.gather(0, engine.caches[0], write_cache=True)
+    adapter.close()
+
+
 def test_chunk_buffers_grow_with_the_step_and_stay_exact():
     """The persistent chunk buffers: after a first step that discovers the caches, a 6-token step
     (buffers of 8 rows), a 58-token step (re-allocated and re-imported at 64 rows) and a 37-token
@@ -350,11 +419,20 @@ def test_the_gather_program_holds_no_copy_of_the_slot():
                                        signal=lambda stream: None).compile().as_text()
     assert copies_of_at_least(hlo, 8192 * 656) == []
     assert hlo.count("ckv_gather_records") >= 2 and "callback" in hlo
+    # the adapter's cache write: the donated cache (5.4 MB) is written in place, not copied
+    written = placement.place_caches([np.zeros((128, 64, 656), np.uint8)], mesh)
+    hlo = dcp_step.layer_program.lower(slot, None, kv, pe, arrays, (cache,), tuple(slots[:1]), written, mesh=mesh,
+                                       layout=formats.get("fp8_ds_mla").layout, implementation="pallas_triton",
+                                       signal=lambda stream: None).compile().as_text()
+    assert copies_of_at_least(hlo, 128 * 64 * 656) == []
+    assert hlo.count("ckv_write_records") >= 2 and "callback" in hlo
 
 
-def test_no_host_synchronization_in_the_layer_loop():
+@pytest.mark.parametrize("write_cache", [False, True])
+def test_no_host_synchronization_in_the_layer_loop(write_cache):
     """torch raises on any synchronizing call in the loop (sync debug mode), and the host
-    enqueues a whole step far faster than the GPU runs it, so JAX never blocked either."""
+    enqueues a whole step far faster than the GPU runs it, so JAX never blocked either; with the
+    cache written by torch or by the adapter."""
     layers = 6
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
     adapter = _adapter(2, layers=layers)
@@ -377,9 +455,10 @@ def test_no_host_synchronization_in_the_layer_loop():
         adapter.begin_step(seq, qlen, table)
         for layer in range(layers):
             torch.cuda._sleep(cycles)                          # 10 ms of queued torch work per layer
-            engine.caches[layer].view(-1, 656).index_copy_(0, dest, records[layer])
+            if not write_cache:
+                engine.caches[layer].view(-1, 656).index_copy_(0, dest, records[layer])
             adapter.set_current_chunk(*chunks[layer])
-            ws = adapter.gather(layer, engine.caches[layer])
+            ws = adapter.gather(layer, engine.caches[layer], write_cache=write_cache)
             ws[:1].sum()
             del ws
         return (time.perf_counter() - start) * 1e3

@@ -1,4 +1,5 @@
 """The per-layer prefetch orchestrator: upstream's checklist (upstream-system.md 7.2) in JAX terms."""
+import functools
 import re
 
 import jax
@@ -323,6 +324,56 @@ def test_a_signal_fires_once_per_layer_between_its_own_work_and_the_prefetches(k
             engine.orch.gather(0, engine.caches[0], kv, pe, signal=signal, **extra)
 
 
+@pytest.mark.parametrize("depth", [0, 2])
+@pytest.mark.parametrize("d, kind, kernels", [(1, "native", "xla"), (2, "callback", "xla"), (4, None, "xla"),
+                                              (2, "native", "pallas_triton")])
+def test_write_and_gather_writes_the_engines_cache_in_place_and_the_same_workspaces(d, kind, kernels, depth):
+    """`write_and_gather` takes the layer's cache write from the engine: over two chunked steps
+    (the second prefetching: the cache write and the patch one kernel), with latents in buffers
+    larger than the step (junk rows past T, as the torch bridge's persistent buffers), every
+    cache holds the bytes the engine's own write gives, in the memory of the cache it was given,
+    and every workspace the synchronous bytes; the XLA kernels and the Pallas ones (interpreted
+    here)."""
+    ours = Engine(d, "fp8_ds_mla", depth, implementation=kernels, interpret=kernels == "pallas_triton")
+    theirs = Engine(d, "fp8_ds_mla", depth)          # the engine writes its caches itself
+    # caches in JAX's own memory: on the CPU `device_put` may alias the scenario's numpy arrays,
+    # and XLA copies a donated buffer that something outside JAX still references
+    ours.caches = [jnp.copy(c) for c in ours.caches]
+    signal = SIGNALS[kind]() if kind else None
+    junk = np.random.default_rng(1)
+    for s, (hist, q) in enumerate(STEPS):
+        plan = build_step_plan(ours.layout, hist + q, q, max_num_seqs=4, min_tokens=1, min_world_size=1)
+        capacity = plan.num_tokens + 5
+        ours.orch.begin_step(plan, ours.layers[0].block_table, chunk_capacity=capacity)
+        for l in range(LAYERS):
+            kv, pe = ours.chunk(l, hist, q)
+            theirs.write(l, plan, kv, pe)
+            kv_big = jnp.concatenate([kv, jnp.asarray(junk.standard_normal((5, 512)) * 9, kv.dtype)])
+            pe_big = jnp.concatenate([pe, jnp.asarray(junk.standard_normal((5, 64)) * 9, pe.dtype)])
+            pointers = [shard.data.unsafe_buffer_pointer() for shard in ours.caches[l].addressable_shards]
+            ours.caches[l], ws = ours.orch.write_and_gather(l, ours.caches[l], kv_big, pe_big, signal=signal)
+            assert [shard.data.unsafe_buffer_pointer() for shard in ours.caches[l].addressable_shards] == pointers, (s, l)
+            want = dcp_scenario.expected_workspace(ours.layers[l], seq_lens=hist + q, plan=plan)
+            np.testing.assert_array_equal(np.asarray(jnp.copy(ws))[:len(want)], want, err_msg=f"step {s} layer {l}")
+            # copied before the host read: a zero-copy view would pin the cache (see run_layers)
+            np.testing.assert_array_equal(np.asarray(jnp.copy(ours.caches[l])), np.asarray(theirs.caches[l]),
+                                          err_msg=f"cache of step {s} layer {l}")
+    hows = [how for _, _, how, _ in ours.orch.decisions]
+    assert hows == (["sync"] * LAYERS if depth == 0 else ["begin_step"] + ["prefetched"] * LAYERS)
+    with pytest.raises(ValueError, match="write_and_gather: the cache write is part of the layer's one program"):
+        ours.orch._own_and_prefetches(ours.orch.lane(), 0, None, kv, pe, (), kv, None, None, ours.caches[0], [])
+
+
+def _ancestors(ins, name, seen=None):
+    """Every instruction `name` depends on, in `_entry_instructions`' map."""
+    seen = set() if seen is None else seen
+    for op in ins.get(name, (0, [], ""))[1]:
+        if op not in seen:
+            seen.add(op)
+            _ancestors(ins, op, seen)
+    return seen
+
+
 def _entry_instructions(hlo_text):
     """name -> (position, operand names) of the scheduled ENTRY computation of an optimized module."""
     entry = hlo_text[hlo_text.index("\nENTRY"):]
@@ -364,13 +415,7 @@ def test_the_layer_program_signals_after_its_patch_and_before_its_prefetches(d, 
     assert len(callbacks) == 1, callbacks
     callback = callbacks[0]
 
-    def ancestors(name, seen=None):
-        seen = set() if seen is None else seen
-        for op in ins.get(name, (0, [], ""))[1]:
-            if op not in seen:
-                seen.add(op)
-                ancestors(op, seen)
-        return seen
+    ancestors = functools.partial(_ancestors, ins)
 
     cache_params = [n for n, (_, _, line) in ins.items() if 'op_name="prefetch_caches' in line]
     assert len(cache_params) == 2, cache_params
@@ -382,6 +427,32 @@ def test_the_layer_program_signals_after_its_patch_and_before_its_prefetches(d, 
     assert "parameter(" not in ins[patched][2] and slot_param[0] in ancestors(patched)
     root = [n for n, (_, _, line) in ins.items() if line.lstrip().startswith("ROOT")][0]
     assert callback in ancestors(ins[root][1][0])      # the workspace returned is what passed through it
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_the_layer_program_writes_its_cache_in_place_before_the_signal(d):
+    """With `write_cache` the program writes the donated cache without copying it, and the
+    signal takes the written cache, so the write is ordered before what the consumer waits on."""
+    mesh = mesh_of(d)
+    fmt = formats.get("fp8_ds_mla")
+    slots = [placement.replicated(mesh, jnp.zeros((d * 1024, 656), jnp.uint8))[0] for _ in range(2)]
+    cache = placement.place_caches([np.zeros((64, 64, 656), np.uint8)] * d, mesh)    # 2.7 MB a rank
+    plan = build_step_plan(DcpLayout(d, 1, 64), np.array([200 * d]), np.array([32]), min_world_size=1)
+    arrays = dcp_step.step_arrays(plan, np.zeros((1, 64), np.int32), mesh, chunk_capacity=64)
+    kv, pe = jnp.ones((64, 512), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
+    hlo = dcp_step.layer_program.lower(slots[0], None, kv, pe, arrays, (cache,), tuple(slots[1:]), cache,
+                                       mesh=mesh, layout=fmt.layout, implementation="xla",
+                                       signal=SIGNALS["native"]()).compile().as_text()
+    assert copies_of_at_least(hlo, 64 * 64 * 656) == []
+    ins = _entry_instructions(hlo)
+    callback = [n for n, (_, _, line) in ins.items() if "custom-call(" in line and "ckv_host_signal" in line][0]
+    cache_param = [n for n, (_, _, line) in ins.items() if 'op_name="write_cache"' in line and "parameter(" in line]
+    # operands: the workspace, the written cache, and the prefetch's slot (one rank) or local_cu
+    assert len(cache_param) == 1 and len(ins[callback][1]) == 3, ins[callback][2]
+    written = ins[callback][1][1]            # the callback's second operand: the written cache
+
+    ancestors = functools.partial(_ancestors, ins)
+    assert cache_param[0] in ancestors(written) | {written}
 
 
 def test_chunk_buffers_larger_than_the_step_patch_the_same_bytes():

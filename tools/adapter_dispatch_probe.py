@@ -74,8 +74,8 @@ def main():
                                  jnp.zeros((arrays.chunk_rows.shape[0], 64), jnp.bfloat16))
 
     def layer(slots, signal):
-        ws, (prefetched,) = dcp_step.layer_program(slots[0], None, *chunk, arrays, (cache,), (slots[1],),
-                                                   mesh=orch.mesh, layout=orch.fmt.layout, signal=signal)
+        ws, (prefetched,), _ = dcp_step.layer_program(slots[0], None, *chunk, arrays, (cache,), (slots[1],),
+                                                      mesh=orch.mesh, layout=orch.fmt.layout, signal=signal)
         return ws, prefetched
 
     signal = adapter.events.signal

@@ -13,7 +13,8 @@ from the step's first GPU activity).  Per depth it prints how long the gathers a
 compute kernels took while they overlapped one another and while they ran alone, which is
 where SM contention shows, and the phases of each layer boundary on torch's stream (compute end
 to cache write, the write, to the consumer, on to the next compute; whether JAX's patch started
-before the write), which show what of a layer stays exposed at depth >= 1.
+before the write; with `--cache-write adapter`, JAX's write and patch instead), which show what
+of a layer stays exposed at depth >= 1.
 --code DIR puts DIR first on the import path for ckv_jax / interop / pallas_kernels, while the
 workload still comes from this checkout's interop/bench.py (it uses only the adapter's public
 calls, and passes `begin_step` a host block table), so two versions of the adapter run the same
@@ -90,6 +91,15 @@ def chains(ks: list[dict]) -> list[float]:
     return out
 
 
+def _boundaries(ks: list[dict]):
+    """(compute end, next compute start, torch's kernels between them) per boundary between two
+    of torch's compute kernels, on the stream of the first."""
+    compute = [k for k in ks if category(k["name"]) == "torch compute"]
+    for a, b in zip(compute, compute[1:]):
+        end, nxt = a["start"] + a["dur"], b["start"]
+        yield end, nxt, [k for k in ks if k["stream"] == compute[0]["stream"] and end <= k["start"] < nxt]
+
+
 def layer_phases(ks: list[dict]) -> list[dict]:
     """Per boundary between two layers' compute on torch's compute stream (us): `to_write` from
     the compute's end to torch's next kernel (the cache write), `write` its duration,
@@ -99,14 +109,8 @@ def layer_phases(ks: list[dict]) -> list[dict]:
     patch) to torch's next kernel (the consumer), `to_next` from there to the next compute, and
     `total` compute end to next compute start.  Layers that do not follow the pattern (a compute
     kernel not followed by two of torch's kernels) are skipped."""
-    compute = [k for k in ks if category(k["name"]) == "torch compute"]
-    if not compute:
-        return []
-    stream = compute[0]["stream"]
     out = []
-    for a, b in zip(compute, compute[1:]):
-        end, nxt = a["start"] + a["dur"], b["start"]
-        mine = [k for k in ks if k["stream"] == stream and end <= k["start"] < nxt]
+    for end, nxt, mine in _boundaries(ks):
         if len(mine) < 2:
             continue
         write, consumer = mine[0], mine[1]
@@ -119,6 +123,43 @@ def layer_phases(ks: list[dict]) -> list[dict]:
                         to_consumer=consumer["start"] - last_end, to_next=nxt - consumer["start"],
                         total=nxt - end))
     return out
+
+
+def jax_write_phases(ks: list[dict]) -> list[dict]:
+    """`layer_phases` for steps where the adapter writes the caches (`--cache-write adapter`):
+    per boundary between two computes on torch's stream (us), `to_write` from the compute's end
+    to JAX's first `ckv_write` kernel after it (the cache write, or the patch), `write` from there
+    to the end of the last `ckv_write` kernel that starts before torch's next kernel (the
+    consumer), `to_consumer` from that end to the consumer, `to_next` and `total` as in
+    `layer_phases`.  Boundaries without a JAX write or a consumer are skipped."""
+    out = []
+    for end, nxt, mine in _boundaries(ks):
+        if not mine:
+            continue
+        consumer = mine[0]
+        writes = [k for k in ks if category(k["name"]) == "patch" and end <= k["start"] < consumer["start"]]
+        if not writes:
+            continue
+        write_end = max(k["start"] + k["dur"] for k in writes)
+        out.append(dict(to_write=writes[0]["start"] - end, write=write_end - writes[0]["start"],
+                        to_consumer=consumer["start"] - write_end, to_next=nxt - consumer["start"], total=nxt - end))
+    return out
+
+
+def jax_write_summary(phases: list[dict]) -> str:
+    """The medians of `jax_write_phases`, one line."""
+    if not phases:
+        return "  JAX write phases: none (no compute kernels followed by JAX's writes and torch's consumer)"
+    med = {key: statistics.median(p[key] for p in phases) for key in ("to_write", "write", "to_consumer", "to_next",
+                                                                     "total")}
+    return (f"  JAX write phases over {len(phases)} boundaries (medians, us): compute end -> JAX's write "
+            f"{med['to_write']:.1f}, cache write and patch {med['write']:.1f}, -> consumer {med['to_consumer']:.1f}, "
+            f"consumer -> next compute {med['to_next']:.1f}, compute to compute {med['total']:.1f}")
+
+
+def phase_lines(ks: list[dict], cache_write: str) -> str:
+    """The phase summary of a step whose caches the engine or the adapter wrote."""
+    return phases_summary(layer_phases(ks)) if cache_write == "engine" else jax_write_summary(jax_write_phases(ks))
 
 
 def phases_summary(phases: list[dict]) -> str:
@@ -183,6 +224,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stream", default="side", help="torch's stream: default, side or priority (default %(default)s)")
     ap.add_argument("--prefetch-programs", type=int, default=None,
                     help="persistent programs of a prefetch's pack (default: the adapter's)")
+    ap.add_argument("--cache-write", choices=["engine", "adapter"], default="engine",
+                    help="who writes each layer's cache: torch (the engine) or the adapter's gather (default %(default)s)")
     ap.add_argument("--mark", choices=["before-write", "after-write"], default="before-write",
                     help="set_current_chunk before the layer's cache write or after it (default %(default)s)")
     args = ap.parse_args(argv)
@@ -192,7 +235,7 @@ def main(argv=None) -> int:
                 saved = json.load(f)
             for depth, ks in saved["kernels"].items():
                 print(f"{path} {depth}")
-                print(phases_summary(layer_phases(ks)))
+                print(phase_lines(ks, saved.get("cache_write", "engine")))
         return 0
     if not args.out:
         ap.error("--out is required to run a step")
@@ -203,7 +246,8 @@ def main(argv=None) -> int:
     spec.loader.exec_module(bench)
 
     work = bench.Workload(args.history, args.chunk, args.layers, chunk_in_place=args.latents == "in-place",
-                          mark_before_write=args.mark == "before-write")
+                          mark_before_write=args.mark == "before-write",
+                          **({} if args.cache_write == "engine" else dict(cache_write="adapter")))
     compute = bench.compute_kernels(args.compute_ms)[args.compute]
     panels, listing = {}, {}
     side = bench.torch_stream(args.stream)
@@ -228,14 +272,15 @@ def main(argv=None) -> int:
     packs = "full-grid" if args.prefetch_programs is None else f"{args.prefetch_programs}-program"
     title = args.label or (f"{args.layers} layers, {args.history} history + {args.chunk} chunk tokens, "
                            f"{args.compute} {args.compute_ms} ms/layer on torch's {args.stream} stream, "
-                           f"{packs} prefetch packs, latents {args.latents}, marked {args.mark}")
+                           f"{packs} prefetch packs, latents {args.latents}, marked {args.mark}, "
+                           f"caches written by the {args.cache_write}")
     plot(panels, args.out + ".png", title)
     with open(args.out + ".json", "w") as f:
-        json.dump(dict(title=title, code=os.path.abspath(args.code), kernels=listing), f)
+        json.dump(dict(title=title, code=os.path.abspath(args.code), cache_write=args.cache_write, kernels=listing), f)
     for label, ks in panels.items():
         print(label)
         print(contention(ks))
-        print(phases_summary(layer_phases(ks)))
+        print(phase_lines(ks, args.cache_write))
         span = chains(ks)
         if span:
             print(f"  cache write end -> torch's consumer: median {statistics.median(span):.1f} us, per layer "

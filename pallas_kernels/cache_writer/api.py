@@ -63,3 +63,23 @@ def write_records(cache: jax.Array, kv_c: jax.Array, k_pe: jax.Array, slot_mappi
     run = select(implementation, device or selection.device_of(cache), cache.size, kv_c.shape[0], layout,
                  interpret=interpret, config=config)
     return run(cache, kv_c, k_pe, slot_mapping, layout=layout, interpret=interpret)
+
+
+def write_records_to_all(caches: Sequence[jax.Array], kv_c: jax.Array, k_pe: jax.Array,
+                         slot_mappings: Sequence[jax.Array], *, layout: RecordLayout,
+                         implementation: str | Sequence[str] | None = None, interpret: bool = False,
+                         config: WriterTiles | None = None, device: jax.Device | None = None) -> tuple:
+    """`write_records` of the same tokens into several caches (donated), caches[k] at
+    slot_mappings[k] i32[T]: the Pallas Triton writer encodes each record once and stores it into
+    every cache in one kernel; the XLA reference writes each cache in turn.  The implementation
+    is the one `write_records` would choose for the largest cache."""
+    caches, slot_mappings = tuple(caches), tuple(slot_mappings)
+    if len(caches) != len(slot_mappings) or not caches:
+        raise ValueError(f"slot_mappings: expected one per cache ({len(caches)}), got {len(slot_mappings)}")
+    run = select(implementation, device or selection.device_of(caches[0]), max(c.size for c in caches),
+                 kv_c.shape[0], layout, interpret=interpret, config=config)
+    if run.name == "pallas_triton":
+        return pallas_triton.write_records_to_all_triton(caches, kv_c, k_pe, slot_mappings, layout=layout,
+                                                         config=run.config or WriterTiles(), interpret=interpret)
+    return tuple(run(c, kv_c, k_pe, s, layout=layout, interpret=interpret) for c, s in zip(caches, slot_mappings))
+

@@ -65,16 +65,15 @@ def _load_nope_pairs(kv_c_ref, tok, in_range, kv_dtype):
                  for parity in (0, 1))
 
 
-def _writer_kernel(slot_ref, kv_c_ref, k_pe_ref, cache_in_ref, cache_ref, *,
-                   layout: RecordLayout, kv_dtype, num_tokens: int, num_slots: int,
+def _writer_kernel(*refs, layout: RecordLayout, kv_dtype, num_tokens: int, num_slots: tuple[int, ...],
                    tokens_per_block: int, interpret: bool):
-    # slot_ref: i32[T]; kv_c_ref: [T, nope_dim], or u32[T, nope_dim / 2] (2-byte kv_c for nvfp4);
-    # k_pe_ref: bf16[T, rope_dim]; cache_in_ref / cache_ref: u8[num_slots, record_bytes] (aliased)
-    del cache_in_ref
+    # refs, for K destinations: slot_refs i32[T] (K of them); kv_c_ref: [T, nope_dim], or
+    # u32[T, nope_dim / 2] (2-byte kv_c for nvfp4); k_pe_ref: bf16[T, rope_dim]; the K inputs
+    # u8[num_slots[k], record_bytes], then the K outputs they alias
+    k = len(num_slots)
+    slot_refs, (kv_c_ref, k_pe_ref), cache_refs = refs[:k], refs[k:k + 2], refs[2 * k + 2:]
     tok = pl.program_id(0) * tokens_per_block + lax.broadcasted_iota(jnp.int32, (tokens_per_block,), 0)
     in_range = tok < num_tokens
-    slot = compat.pltriton.load(slot_ref.at[tok], mask=in_range, other=-1)
-    valid = in_range & (slot >= 0) & (slot < num_slots)
 
     load_rows = functools.partial(_load_rows, tok=tok, in_range=in_range)
     arith = float_codes.PORTABLE if interpret else GPU_ARITHMETIC
@@ -85,11 +84,15 @@ def _writer_kernel(slot_ref, kv_c_ref, k_pe_ref, cache_in_ref, cache_ref, *,
         segments = record_codec.encode_nvfp4_segments(layout, even, odd, rope, arith)
     else:
         segments = record_codec.encode_segments(layout, load_rows(kv_c_ref), load_rows(k_pe_ref), arith)
-    rows = jnp.where(valid, slot, num_slots)[:, None]   # masked rows point past the cache
-    for seg, data in zip(layout.segments, segments):
-        cols = seg.offset + lax.broadcasted_iota(jnp.int32, (1, seg.width), 1)
-        mask = jnp.broadcast_to(valid[:, None], (tokens_per_block, seg.width))
-        compat.pltriton.store(cache_ref.at[rows, cols], data, mask=mask)
+    # the records are encoded once and stored into every destination
+    for slot_ref, cache_ref, slots in zip(slot_refs, cache_refs, num_slots):
+        slot = compat.pltriton.load(slot_ref.at[tok], mask=in_range, other=-1)
+        valid = in_range & (slot >= 0) & (slot < slots)
+        rows = jnp.where(valid, slot, slots)[:, None]   # masked rows point past the cache
+        for seg, data in zip(layout.segments, segments):
+            cols = seg.offset + lax.broadcasted_iota(jnp.int32, (1, seg.width), 1)
+            mask = jnp.broadcast_to(valid[:, None], (tokens_per_block, seg.width))
+            compat.pltriton.store(cache_ref.at[rows, cols], data, mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "config", "interpret"), donate_argnums=(0,))
@@ -97,11 +100,22 @@ def write_records_triton(cache: jax.Array, kv_c: jax.Array, k_pe: jax.Array, slo
                          *, layout: RecordLayout, config: WriterTiles = WriterTiles(),
                          interpret: bool = False) -> jax.Array:
     """Same contract as `write_records_reference` (cache u8[num_blocks, block_size, R], donated)."""
-    num_blocks, block_size, record_bytes = cache.shape
-    num_slots = num_blocks * block_size
+    return write_records_to_all_triton((cache,), kv_c, k_pe, (slot_mapping,), layout=layout, config=config,
+                                       interpret=interpret)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "config", "interpret"), donate_argnums=(0,))
+def write_records_to_all_triton(caches: tuple, kv_c: jax.Array, k_pe: jax.Array, slot_mappings: tuple,
+                                *, layout: RecordLayout, config: WriterTiles = WriterTiles(),
+                                interpret: bool = False) -> tuple:
+    """`write_records_triton` into several caches at once (one kernel; each token's record is
+    encoded once and stored into every cache at its own slot): caches[k] u8[num_blocks_k,
+    block_size_k, R] (donated), slot_mappings[k] i32[T]."""
     num_tokens = kv_c.shape[0]
     if num_tokens == 0:
-        return cache
+        return tuple(caches)
+    record_bytes = caches[0].shape[2]
+    num_slots = tuple(c.shape[0] * c.shape[1] for c in caches)
     kv_dtype = kv_c.dtype
     if layout.kind == "nvfp4_groups" and kv_dtype.itemsize == 2:
         # one uint32 word per element pair (a bitcast, no copy): see `_load_nope_pairs`
@@ -109,14 +123,15 @@ def write_records_triton(cache: jax.Array, kv_c: jax.Array, k_pe: jax.Array, slo
     kernel = functools.partial(
         _writer_kernel, layout=layout, kv_dtype=kv_dtype, num_tokens=num_tokens, num_slots=num_slots,
         tokens_per_block=config.tokens_per_block, interpret=interpret)
-    flat = cache.reshape(num_slots, record_bytes)
-    out = pl.pallas_call(
+    flats = [c.reshape(n, record_bytes) for c, n in zip(caches, num_slots)]
+    k = len(caches)
+    outs = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
+        out_shape=[jax.ShapeDtypeStruct(f.shape, f.dtype) for f in flats],
         grid=(pl.cdiv(num_tokens, config.tokens_per_block),),
-        input_output_aliases={3: 0},
+        input_output_aliases={k + 2 + i: i for i in range(k)},
         compiler_params=compat.triton_compiler_params(config.num_warps),
         interpret=interpret,
-        name=f"ckv_write_records_{layout.kind}_r{record_bytes}",
-    )(slot_mapping, kv_c, k_pe, flat)
-    return out.reshape(cache.shape)
+        name=f"ckv_write_records_{layout.kind}_r{record_bytes}" + ("" if k == 1 else f"_to_{k}"),
+    )(*slot_mappings, kv_c, k_pe, *flats)
+    return tuple(o.reshape(c.shape) for o, c in zip(outs, caches))
