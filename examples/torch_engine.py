@@ -1,13 +1,16 @@
 """A torch engine using ckv-jax for the full-CKV gather, checked against the pure-JAX path.
 
     pip install -e '.[torch]' && python examples/torch_engine.py [--depth 2] [--layers 4] [--attention auto]
+                                                                  [--cache-write engine|adapter]
 
 A small MLA-style layer stack in torch (latent 512 + RoPE 64 projections, fp8_ds_mla paged
 caches, sparse attention over a global top-k) prefills one request chunk by chunk, the way an
 engine does: torch writes each layer's chunk into its own paged cache, hands the cache to
 `TorchCkvAdapter.gather` (JAX gathers and prefetches on its own stream) and attends over the
 returned workspace with `interop.sparse_mla_attention` (ckv-jax's kernel on a GPU, its XLA
-reference elsewhere; `--attention torch` attends in torch instead).  The same weights then run
+reference elsewhere; `--attention torch` attends in torch instead).  `--cache-write adapter`
+leaves each layer's cache write to the adapter (`gather(..., write_cache=True)`: ckv-jax's
+writer in the layer's program, on a GPU the cache write and the patch one kernel).  The same weights then run
 through ckv-jax's pure-JAX `prefill_layers` with the same attention implementation; the outputs
 must agree.  On a GPU it runs on CUDA (one GPU: D = 1, the full path through
 `min_world_size=1`); otherwise on the CPU.
@@ -77,7 +80,8 @@ def run(args) -> int:
                                       config=GatherConfig(enabled=True, depth=args.depth, workspace_mib=0,
                                                           min_tokens=1, max_tokens=args.context))
     print(f"torch engine on {device}: {args.layers} layers, context {args.context} in chunks of {args.chunk}, "
-          f"depth {args.depth}, prefetch pool {adapter.pool_bytes / 2**20:.1f} MiB, attention {args.attention}")
+          f"depth {args.depth}, prefetch pool {adapter.pool_bytes / 2**20:.1f} MiB, attention {args.attention}, "
+          f"caches written by the {args.cache_write}")
 
     # the pure-JAX path over copies of the same caches, for the check
     mesh = adapter.mesh
@@ -111,8 +115,9 @@ def run(args) -> int:
             kv_c.copy_(kv[:, :512])
             k_pe.copy_(kv[:, 512:])
             adapter.set_current_chunk(kv_c, k_pe)          # before the cache write: the patch runs beside it
-            torch_records.write(caches[layer], torch_records.encode(fmt.name, kv_c, k_pe), slots)
-            ws = adapter.gather(layer, caches[layer])
+            if args.cache_write == "engine":
+                torch_records.write(caches[layer], torch_records.encode(fmt.name, kv_c, k_pe), slots)
+            ws = adapter.gather(layer, caches[layer], write_cache=args.cache_write == "adapter")
             if args.attention == "torch":
                 out = torch_attention(q.float(), ws[:adapter.rows], idx, cnt, sm_scale, fmt.name).to(torch.bfloat16)
             else:
@@ -161,6 +166,9 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", choices=ATTENTION, default="auto",
                     help="auto: ckv-jax's attention as it selects (the kernel on a GPU, XLA elsewhere); torch: "
                          "attend in torch; or a ckv-jax implementation (a kernel runs interpreted off a GPU)")
+    ap.add_argument("--cache-write", choices=("engine", "adapter"), default="engine",
+                    help="who writes each layer's cache: torch (the engine) or the adapter's gather "
+                         "(default %(default)s)")
     args = ap.parse_args(argv)
     for name in ("layers", "heads", "d_model", "context", "chunk", "topk"):
         if getattr(args, name) <= 0:

@@ -1,10 +1,12 @@
 """One rank of the 2-process torch-adapter test (run by test_interop_multiprocess.py): a torch
 engine process with one device, its own caches, and `TorchCkvAdapter` over `jax.distributed`.
 
-usage: python mp_adapter_worker.py PROCESS_ID NUM_PROCESSES PORT DEPTH OUT.npz [cpu|cuda]
+usage: python mp_adapter_worker.py PROCESS_ID NUM_PROCESSES PORT DEPTH OUT.npz [cpu|cuda] [engine|adapter]
 
 cuda: process i drives GPU i (JAX's local device and torch's device), so the adapter takes its
 cuda-events ordering and each layer program's all-gather crosses the GPUs over NCCL.
+adapter: the adapter writes each layer's cache (`write_cache=True`); the rank checks it against
+a twin engine that writes its own.
 """
 import os
 import sys
@@ -23,6 +25,7 @@ def main():
     pid, nproc, port, depth, out = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]),
                                     sys.argv[5])
     device = sys.argv[6] if len(sys.argv) > 6 else "cpu"
+    writer = sys.argv[7] if len(sys.argv) > 7 else "engine"
     local = dict(local_device_ids=[pid]) if device == "cuda" else {}
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
                                initialization_timeout=60, **local)
@@ -35,6 +38,7 @@ def main():
     from torch_engine_sim import STEPS, TorchEngine
 
     engine = TorchEngine(nproc, pid, formats.get("fp8_ds_mla"), LAYERS, device=device)
+    twin = TorchEngine(nproc, pid, formats.get("fp8_ds_mla"), LAYERS, device=device)
     adapter = interop.TorchCkvAdapter(world_size=nproc, format="fp8_ds_mla", max_num_seqs=4, block_size=16,
                                       config=GatherConfig(enabled=True, depth=depth, workspace_mib=0,
                                                           min_tokens=1, max_tokens=512))
@@ -44,9 +48,13 @@ def main():
         assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu()), plan.why
         for layer in range(LAYERS):
             kv, pe = engine.chunk(plan.num_tokens)
-            engine.write(layer, plan, kv, pe)
+            twin.chunk(plan.num_tokens)
+            twin.write(layer, plan, kv, pe)
+            if writer == "engine":
+                engine.write(layer, plan, kv, pe)
             adapter.set_current_chunk(kv, pe)
-            ws = adapter.gather(layer, engine.caches[layer])
+            ws = adapter.gather(layer, engine.caches[layer], write_cache=writer == "adapter")
+            assert torch.equal(engine.caches[layer], twin.caches[layer]), f"rank {pid} step {s} layer {layer}"
             saved[f"ws_{s}_{layer}"] = ws[:adapter.rows].cpu().numpy().copy()
             saved[f"cache_{s}_{layer}"] = engine.caches[layer].cpu().numpy().copy()
             del ws

@@ -28,10 +28,10 @@ def test_flax_example_prefills_through_dcp_and_matches_one_device():
     assert "D=2, depth 1" in lines[0]
 
 
-@pytest.mark.parametrize("attention", ["auto", "torch"])
-def test_torch_engine_example_matches_the_pure_jax_path(attention):
+@pytest.mark.parametrize("attention, cache_write", [("auto", "engine"), ("torch", "engine"), ("auto", "adapter")])
+def test_torch_engine_example_matches_the_pure_jax_path(attention, cache_write):
     proc = _example("torch_engine.py", "--depth", "1", "--layers", "2", "--context", "192", "--chunk", "96",
-                    "--attention", attention)
+                    "--attention", attention, "--cache-write", cache_write)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"attention {attention}" in proc.stdout
+    assert f"attention {attention}, caches written by the {cache_write}" in proc.stdout
     assert proc.stdout.count("-> match") == 2 and "all chunks match" in proc.stdout, proc.stdout

@@ -15,12 +15,14 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("platform", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("depth", [0, 2])
-def test_two_torch_processes_gather_what_one_jax_process_gathers(tmp_path, depth, platform):
+@pytest.mark.parametrize("depth, writer", [(0, "engine"), (2, "engine"), (2, "adapter")])
+def test_two_torch_processes_gather_what_one_jax_process_gathers(tmp_path, depth, writer, platform):
+    """writer "adapter": each rank leaves its cache writes to the adapter (its own rank's slots of
+    the shared block table) and checks them against its own write."""
     if platform == "cuda" and not (torch.cuda.is_available() and torch.cuda.device_count() >= 2):
         pytest.skip("needs two CUDA GPUs")
     outs = [tmp_path / f"rank{pid}.npz" for pid in range(2)]
-    procs, logs = run_workers("mp_adapter_worker.py", lambda pid: [str(depth), str(outs[pid]), platform],
+    procs, logs = run_workers("mp_adapter_worker.py", lambda pid: [str(depth), str(outs[pid]), platform, writer],
                               platform=platform)
     for pid, p in enumerate(procs):
         assert p.returncode == 0, logs[pid][-3000:]
