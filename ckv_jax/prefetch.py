@@ -350,10 +350,8 @@ class PrefetchOrchestrator:
                             signal, write_cache=None, written=None):
         """Slot `index` patched (own_cache None) or gathered from own_cache, then the gathers of
         `targets`: one program, or with `ready` / `after` the own work, ready(workspace), then
-        each prefetch, as programs that take `after`.  write_cache, written: see `_dispatch`."""
-        if written is not None and (ready is not None or after is not None):
-            raise ValueError("write_and_gather: the cache write is part of the layer's one program; "
-                             "it does not combine with ready or after")
+        each prefetch, as programs that take `after`.  write_cache, written: see `_dispatch`
+        (`write_and_gather` passes neither `ready` nor `after`)."""
         if ready is None and after is None:
             if targets or signal is None:
                 return self._dispatch(state, index, own_cache, kv_c, k_pe, targets, signal, write_cache, written)

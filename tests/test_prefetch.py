@@ -360,8 +360,6 @@ def test_write_and_gather_writes_the_engines_cache_in_place_and_the_same_workspa
                                           err_msg=f"cache of step {s} layer {l}")
     hows = [how for _, _, how, _ in ours.orch.decisions]
     assert hows == (["sync"] * LAYERS if depth == 0 else ["begin_step"] + ["prefetched"] * LAYERS)
-    with pytest.raises(ValueError, match="write_and_gather: the cache write is part of the layer's one program"):
-        ours.orch._own_and_prefetches(ours.orch.lane(), 0, None, kv, pe, (), kv, None, None, ours.caches[0], [])
 
 
 def _ancestors(ins, name, seen=None):
@@ -453,6 +451,8 @@ def test_the_layer_program_writes_its_cache_in_place_before_the_signal(d):
 
     ancestors = functools.partial(_ancestors, ins)
     assert cache_param[0] in ancestors(written) | {written}
+    with pytest.raises(ValueError, match="gather_written: gathers the cache this program writes; pass write_cache"):
+        dcp_step.layer_program.lower(slots[0], cache, kv, pe, arrays, gather_written=True, mesh=mesh, layout=fmt.layout)
 
 
 def test_chunk_buffers_larger_than_the_step_patch_the_same_bytes():
