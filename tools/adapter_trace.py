@@ -14,7 +14,8 @@ compute kernels took while they overlapped one another and while they ran alone,
 where SM contention shows, and the phases of each layer boundary on torch's stream (compute end
 to cache write, the write, to the consumer, on to the next compute; whether JAX's patch started
 before the write; with `--cache-write adapter`, JAX's write and patch instead), which show what
-of a layer stays exposed at depth >= 1.
+of a layer stays exposed at depth >= 1.  `--compute-alone` adds a panel of the same step without
+the adapter (the bench's compute-alone baseline), whose layer gaps the depths' are measured against.
 --code DIR puts DIR first on the import path for ckv_jax / interop / pallas_kernels, while the
 workload still comes from this checkout's interop/bench.py (it uses only the adapter's public
 calls, and passes `begin_step` a host block table), so two versions of the adapter run the same
@@ -204,6 +205,14 @@ def plot(panels: dict, path: str, title: str):
     fig.savefig(path, dpi=110)
 
 
+def _profiled_kernels(prof) -> list[dict]:
+    """The kernels of a finished `torch.profiler.profile` (see `kernels_of`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        return kernels_of(path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--code", default=ROOT, help="checkout whose ckv_jax/interop run (default: this one)")
@@ -224,6 +233,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stream", default="side", help="torch's stream: default, side or priority (default %(default)s)")
     ap.add_argument("--prefetch-programs", type=int, default=None,
                     help="persistent programs of a prefetch's pack (default: the adapter's)")
+    ap.add_argument("--compute-alone", action="store_true",
+                    help="also trace the step without the adapter (compute, the engine's cache writes, the consumer)")
     ap.add_argument("--cache-write", choices=["engine", "adapter"], default="engine",
                     help="who writes each layer's cache: torch (the engine) or the adapter's gather (default %(default)s)")
     ap.add_argument("--mark", choices=["before-write", "after-write"], default="before-write",
@@ -235,7 +246,7 @@ def main(argv=None) -> int:
                 saved = json.load(f)
             for depth, ks in saved["kernels"].items():
                 print(f"{path} {depth}")
-                print(phase_lines(ks, saved.get("cache_write", "engine")))
+                print(phase_lines(ks, "engine" if depth == "compute_alone" else saved.get("cache_write", "engine")))
         return 0
     if not args.out:
         ap.error("--out is required to run a step")
@@ -251,6 +262,18 @@ def main(argv=None) -> int:
     compute = bench.compute_kernels(args.compute_ms)[args.compute]
     panels, listing = {}, {}
     side = bench.torch_stream(args.stream)
+    modes = {}                                    # panel -> who wrote its caches
+    if args.compute_alone:
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                work.layers(None, compute)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                work.layers(None, compute)
+                torch.cuda.synchronize()
+        ks = _profiled_kernels(prof)
+        label = f"compute alone (the engine's cache writes): {len(ks)} GPU activities"
+        panels[label], listing["compute_alone"], modes[label] = ks, ks, "engine"
     for depth in [int(d) for d in args.depths.split(",")]:
         adapter = work.adapter(depth) if args.prefetch_programs is None else work.adapter(depth, args.prefetch_programs)
         with torch.cuda.stream(side):
@@ -261,13 +284,10 @@ def main(argv=None) -> int:
                 work.begin_step(adapter)                # its prefetches belong to the step
                 work.layers(adapter, compute)
                 torch.cuda.synchronize()
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "trace.json")
-            prof.export_chrome_trace(path)
-            ks = kernels_of(path)
+        ks = _profiled_kernels(prof)
         ordering = getattr(adapter, "ordering", "dlpack (before cuda-events)")
-        panels[f"depth {depth} ({ordering}): {len(ks)} GPU activities"] = ks
-        listing[f"depth{depth}"] = ks
+        label = f"depth {depth} ({ordering}): {len(ks)} GPU activities"
+        panels[label], listing[f"depth{depth}"], modes[label] = ks, ks, args.cache_write
         adapter.close()
     packs = "full-grid" if args.prefetch_programs is None else f"{args.prefetch_programs}-program"
     title = args.label or (f"{args.layers} layers, {args.history} history + {args.chunk} chunk tokens, "
@@ -280,7 +300,7 @@ def main(argv=None) -> int:
     for label, ks in panels.items():
         print(label)
         print(contention(ks))
-        print(phase_lines(ks, args.cache_write))
+        print(phase_lines(ks, modes[label]))
         span = chains(ks)
         if span:
             print(f"  cache write end -> torch's consumer: median {statistics.median(span):.1f} us, per layer "
