@@ -273,6 +273,20 @@ def _gather_over_mesh(caches, arrays: StepArrays, out, *, mesh, axis_name, imple
                          out_specs=P(), check_vma=False)(caches, arrays, out)
 
 
+def _write_over_mesh(caches, kv_c, k_pe, arrays: StepArrays, workspace=None, *, mesh, layout, axis_name,
+                     implementation, interpret):
+    """`write_chunk` on every rank, or with `workspace` (replicated) `write_and_patch_chunk`,
+    returning (caches, workspace)."""
+    kw = dict(layout=layout, axis_name=axis_name, implementation=implementation, interpret=interpret,
+              device=placement.mesh_device(mesh))
+    if workspace is None:
+        return jax.shard_map(functools.partial(write_chunk, **kw), mesh=mesh, in_specs=(P(axis_name), P(), P(), P()),
+                             out_specs=P(axis_name), check_vma=False)(caches, kv_c, k_pe, arrays)
+    return jax.shard_map(functools.partial(write_and_patch_chunk, **kw), mesh=mesh,
+                         in_specs=(P(axis_name), P(), P(), P(), P()), out_specs=(P(axis_name), P()),
+                         check_vma=False)(caches, workspace, kv_c, k_pe, arrays)
+
+
 @functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "implementation", "interpret", "tiles"),
                    donate_argnames=("out",), keep_unused=True)
 def gather_program(caches, arrays: StepArrays, out=None, after=None, *, mesh, axis_name: str = DCP_AXIS,
@@ -289,10 +303,8 @@ def gather_program(caches, arrays: StepArrays, out=None, after=None, *, mesh, ax
 def write_program(caches, kv_c, k_pe, arrays: StepArrays, *, mesh, layout: RecordLayout,
                   axis_name: str = DCP_AXIS, implementation=None, interpret: bool = False):
     """`write_chunk` on every rank: the sharded caches (donated) with the chunk written."""
-    body = functools.partial(write_chunk, layout=layout, axis_name=axis_name, implementation=implementation,
-                             interpret=interpret, device=placement.mesh_device(mesh))
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(axis_name), P(), P(), P()), out_specs=P(axis_name),
-                         check_vma=False)(caches, kv_c, k_pe, arrays)
+    return _write_over_mesh(caches, kv_c, k_pe, arrays, mesh=mesh, layout=layout, axis_name=axis_name,
+                            implementation=implementation, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "implementation", "interpret", "device"),
@@ -365,18 +377,13 @@ def layer_program(slot, cache, kv_c, k_pe, arrays: StepArrays, prefetch_caches=(
     if gather_written and (write_cache is None or cache is not None):
         raise ValueError("gather_written: gathers the cache this program writes; pass write_cache and cache=None")
     written = workspace = None
+    write = functools.partial(_write_over_mesh, mesh=mesh, layout=layout, axis_name=axis_name,
+                              implementation=implementation, interpret=interpret)
     if write_cache is not None and slot is not None and cache is None and not gather_written:
         # the cache write and the patch as one kernel: each record encoded once, stored twice
-        body = functools.partial(write_and_patch_chunk, layout=layout, axis_name=axis_name,
-                                 implementation=implementation, interpret=interpret, device=device)
-        written, workspace = jax.shard_map(body, mesh=mesh, in_specs=(P(axis_name), P(), P(), P(), P()),
-                                           out_specs=(P(axis_name), P()), check_vma=False)(
-            write_cache, slot, kv_c, k_pe, arrays)
+        written, workspace = write(write_cache, kv_c, k_pe, arrays, slot)
     elif write_cache is not None:
-        body = functools.partial(write_chunk, layout=layout, axis_name=axis_name, implementation=implementation,
-                                 interpret=interpret, device=device)
-        written = jax.shard_map(body, mesh=mesh, in_specs=(P(axis_name), P(), P(), P()), out_specs=P(axis_name),
-                                check_vma=False)(write_cache, kv_c, k_pe, arrays)
+        written = write(write_cache, kv_c, k_pe, arrays)
     if slot is not None and workspace is None:
         if gather_written:
             workspace = gather(written, out=slot, tiles=tiles)

@@ -321,7 +321,7 @@ class TorchCkvAdapter:
             raise RuntimeError(f"kv_cache: JAX wrote the chunk into a copy at 0x{pointer:x}, not into the torch "
                                f"cache at 0x{kv_cache.data_ptr():x} (a donated cache was copied)")
         if layer_idx is not None:
-            self._caches[(lane, layer_idx)] = (kv_cache.data_ptr(), tuple(kv_cache.shape), written, kv_cache)
+            self._bind(lane, layer_idx, kv_cache, written)
 
     def _write_dlpack(self, kv_cache: torch.Tensor, chunk):
         """The DLPack path's cache write: JAX encodes the chunk's records (XLA on a CPU would
@@ -418,10 +418,14 @@ class TorchCkvAdapter:
         cache = jax.make_array_from_single_device_arrays(
             shape, NamedSharding(self.mesh, P(placement.DCP_AXIS)), [local])
         if layer_idx is not None:         # a per-call (no layer index) cache is not kept bound
-            self._caches[key] = (kv_cache.data_ptr(), tuple(kv_cache.shape), cache, kv_cache)
+            self._bind(lane, layer_idx, kv_cache, cache)
         else:
             self._keepalive.append(kv_cache)
         return cache
+
+    def _bind(self, lane, layer_idx, kv_cache: torch.Tensor, cache: jax.Array):
+        """`cache`, JAX's array of `kv_cache`'s memory, as the binding of (lane, layer_idx)."""
+        self._caches[(lane, layer_idx)] = (kv_cache.data_ptr(), tuple(kv_cache.shape), cache, kv_cache)
 
     def _drain(self):
         """Make torch's stream wait for every JAX computation still reading step inputs (dropped

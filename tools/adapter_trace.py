@@ -147,12 +147,17 @@ def jax_write_phases(ks: list[dict]) -> list[dict]:
     return out
 
 
+def _medians(phases: list[dict]) -> dict:
+    """The median of each timed phase of `layer_phases` or `jax_write_phases`."""
+    return {key: statistics.median(p[key] for p in phases) for key in ("to_write", "write", "to_consumer", "to_next",
+                                                                      "total")}
+
+
 def jax_write_summary(phases: list[dict]) -> str:
     """The medians of `jax_write_phases`, one line."""
     if not phases:
         return "  JAX write phases: none (no compute kernels followed by JAX's writes and torch's consumer)"
-    med = {key: statistics.median(p[key] for p in phases) for key in ("to_write", "write", "to_consumer", "to_next",
-                                                                     "total")}
+    med = _medians(phases)
     return (f"  JAX write phases over {len(phases)} boundaries (medians, us): compute end -> JAX's write "
             f"{med['to_write']:.1f}, cache write and patch {med['write']:.1f}, -> consumer {med['to_consumer']:.1f}, "
             f"consumer -> next compute {med['to_next']:.1f}, compute to compute {med['total']:.1f}")
@@ -167,8 +172,7 @@ def phases_summary(phases: list[dict]) -> str:
     """The medians of `layer_phases` and how often the patch went first, one line."""
     if not phases:
         return "  layer phases: none (no compute kernels followed by torch's cache write and consumer)"
-    med = {key: statistics.median(p[key] for p in phases) for key in ("to_write", "write", "to_consumer", "to_next",
-                                                                     "total")}
+    med = _medians(phases)
     order = [p["patch_first"] for p in phases if p["patch_first"] is not None]
     patch = f", patch before the cache write in {sum(order)} of {len(order)}" if order else ", no patch"
     return (f"  layer phases over {len(phases)} boundaries (medians, us): compute end -> cache write "
