@@ -292,7 +292,8 @@ class TorchCkvAdapter:
         if self._chunk is None:
             raise RuntimeError("gather: call set_current_chunk(kv_c, k_pe) for this layer first")
         cache = self._cache(lane, layer_idx, kv_cache)
-        bridge.join_stream(kv_cache.device, after)
+        if after is not None:
+            bridge.join_stream(kv_cache.device, after)
         chunk, self._chunk = self._chunk, None
         if self.events is None:
             if write_cache:
@@ -316,7 +317,7 @@ class TorchCkvAdapter:
     def _rebind(self, lane, layer_idx, kv_cache: torch.Tensor, written: jax.Array):
         """The written cache (the donated one's successor) as the binding of `kv_cache`, which it
         must alias: JAX wrote torch's memory in place, or the write is lost and this raises."""
-        pointer = written.addressable_data(0).unsafe_buffer_pointer()
+        pointer = written.unsafe_buffer_pointer()        # the one shard this process holds (no new array)
         if pointer != kv_cache.data_ptr():
             raise RuntimeError(f"kv_cache: JAX wrote the chunk into a copy at 0x{pointer:x}, not into the torch "
                                f"cache at 0x{kv_cache.data_ptr():x} (a donated cache was copied)")
