@@ -23,7 +23,8 @@ case).  Per row:
                        each depth-0 layer's calls, without compute, the span opened once the host
                        has queued the calls' work (median over layers and trials)
   compute_only_ms      the same step with the adapter calls left out (compute, cache writes, and
-                       the consumer's kernels over a stand-in row)
+                       the consumer's kernels over a stand-in row); compute_only_spread_pct
+                       its (max - min) / median over the trials
   step_ms              CUDA events on torch's stream around the step's layer loop (median of
                        trials; spread_pct = (max - min) / median of those trials).  Within a
                        trial the compute alone and every depth take turns, so a drift of the
@@ -33,7 +34,9 @@ case).  Per row:
                        prepares a step while the last one runs: the first event fires when the
                        tail ends, and the gathers `begin_step` dispatched start after it too
   hidden_pct           100 * (1 - (step_N - compute_only) / (step_0 - compute_only)): the share
-                       of the depth-0 step's exposed gather time that depth N hides
+                       of the depth-0 step's exposed gather time that depth N hides; above 100
+                       (marked * in the printed table) a depth-N step ran faster than the compute
+                       alone, so the baseline moved by more than what is left exposed
   host_us_per_layer    host wall time of one layer's `set_current_chunk` + `gather` (median)
   host_probe_us        the host's speed at that row: one dispatch of a trivial jitted program
                        and one small torch op (median of a loop of each, us), so host figures
@@ -391,7 +394,10 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
                             signal=_signal_kind(adapters[depth]),
                             prefetch_tiles=str(adapters[depth].orch.prefetch_tiles),
                             compute_ms_per_layer=x_ms, gather_ms_per_layer=gather_ms[cache_write],
-                            compute_only_ms=statistics.median(compute_only), step_ms=by_depth[depth],
+                            compute_only_ms=statistics.median(compute_only),
+                            compute_only_spread_pct=100 * (max(compute_only) - min(compute_only))
+                            / statistics.median(compute_only),
+                            step_ms=by_depth[depth],
                             spread_pct=100 * (max(steps[depth]) - min(steps[depth])) / by_depth[depth],
                             host_us_per_layer=1e6 * statistics.median(host[depth]),
                             begin_step_us=1e6 * statistics.median(begin[depth]),
@@ -407,17 +413,19 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
     return rows
 
 
-HEADER = (f"{'kind':>6} {'stream':>7} {'writer':>7} {'history':>8} {'X ms':>6} {'gather ms':>9} {'compute ms':>10} "
+HEADER = (f"{'kind':>6} {'stream':>7} {'writer':>7} {'history':>8} {'X ms':>6} {'gather ms':>9} "
+          f"{'compute ms (spread %)':>21} "
           f"{'depth: step ms (hidden %, host us/layer, spread %)  host probe jax/torch'}")
 
 
 def _line(rows) -> str:
     r0 = rows[0]
-    cells = "  ".join(f"d{r['depth']} {r['step_ms']:7.2f} ({r['hidden_pct']:5.1f}%, {r['host_us_per_layer']:4.0f}, "
-                      f"{r['spread_pct']:.1f})" for r in rows)
+    cells = "  ".join(f"d{r['depth']} {r['step_ms']:7.2f} ({r['hidden_pct']:5.1f}%{'*' * (r['hidden_pct'] > 100)}, "
+                      f"{r['host_us_per_layer']:4.0f}, {r['spread_pct']:.1f})" for r in rows)
     return (f"{r0['compute_kind']:>6} {r0['torch_stream']:>7} {r0['cache_write']:>7} {r0['history']:>8} "
             f"{r0['compute_ms_per_layer']:6.2f} "
-            f"{r0['gather_ms_per_layer']:9.3f} {r0['compute_only_ms']:10.2f} {cells}  "
+            f"{r0['gather_ms_per_layer']:9.3f} {r0['compute_only_ms']:13.2f} ({r0['compute_only_spread_pct']:4.1f}) "
+            f"{cells}  "
             f"probe {r0['host_probe_jax_us']:.0f}/{r0['host_probe_torch_us']:.0f} us")
 
 
@@ -495,6 +503,9 @@ def main(argv=None) -> int:
     rows = run(args.histories, args.chunk, args.layers, args.depths, args.compute_ms, args.kinds, args.streams,
                args.trials, args.prefetch_programs, args.latents == "in-place", args.mark == "before-write",
                args.signal == "native", args.indexer_pct, args.cache_writes, args.engine_write)
+    if any(r["hidden_pct"] > 100 for r in rows):
+        print("* hidden above 100%: the step with the adapter ran faster than the compute alone; the baseline "
+              "moved by more than what stays exposed (compare its spread)", flush=True)
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), jax=jax.__version__, torch=torch.__version__,
                        command="python -m interop.bench " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -58,3 +58,30 @@ def test_cpu_account_charges_the_spinning_thread():
     assert 0.2 * account.wall_ns < account.by_name[name] < 2 * account.wall_ns
     assert account.wall_ns >= 0.3e9 and account.steal >= 0
     assert account.summary().startswith(f"threads on a CPU: {name} ")
+
+
+def test_sample_shares_classifies_the_adapters_samples_and_leaves_compiles_out():
+    gather = "TorchCkvAdapter.gather (interop/adapter.py:308)"
+    program = "PrefetchOrchestrator._dispatch.<locals>.program (ckv_jax/prefetch.py:382)"
+    raw = [
+        f"<module> (host.py:3);{gather};{program};PjitFunction_tp_vectorcall (jaxlib/libjax_common.so);"
+        "pjrt::PJRT_LoadedExecutable_Execute (xla_cuda13/xla_cuda_plugin.so) 6\n",
+        f"<module> (host.py:3);{gather};{program};PjitFunction_tp_vectorcall (jaxlib/libjax_common.so);"
+        "jax::ParseArguments (jaxlib/libjax_common.so) 2\n",
+        f"<module> (host.py:3);{gather};TorchCkvAdapter._rebind (interop/adapter.py:319);"
+        "ArrayImpl.addressable_data (jax/_src/array.py:511) 1\n",
+        "<module> (host.py:3);TorchCkvAdapter.set_current_chunk (interop/adapter.py:271);"
+        "StreamEvents.mark_latents (interop/stream_handoff.py:148);THCPEvent_record (libtorch_python.so) 1\n",
+        f"<module> (host.py:3);{gather};PrefetchOrchestrator._layer_call (ckv_jax/prefetch.py:336) 2\n",
+        f"<module> (host.py:3);{gather};{program};_cpp_pjit.<locals>.cache_miss (jax/_src/pjit.py:1);"
+        "MeshComputation.compile (jax/_src/interpreters/pxla.py:2) 50\n",        # a compile: left out
+        "<module> (host.py:3);Workload.begin_step (interop/bench.py:123) 30\n",   # outside the calls
+    ]
+    lines = adapter_host_timeline.sample_shares(raw).splitlines()
+    assert lines[0].startswith("12 samples inside the adapter's calls")
+    shares = {line.split("%", 1)[1].strip(): float(line.split("%")[0]) for line in lines[1:6]}
+    assert shares == {"PJRT execute of the program": 50.0, "JAX jit call around it": 16.7,      # 6 and 2 of 12
+                      "other JAX calls": 8.3, "torch calls": 8.3, "ckv-jax Python": 16.7}
+    assert lines[6] == "the deepest ckv-jax line of each sample, by share:"
+    assert lines[7].split() == ["66.7%", *program.split()]         # both jit samples end in the closure
+    assert adapter_host_timeline.sample_shares(raw[-2:]) == "no samples inside the adapter's calls"

@@ -2,7 +2,8 @@
 inside a dispatch: argument parsing, PJRT's execute, each thunk's launch, the in-program
 callback, the completion callback).
 
-    python tools/adapter_host_timeline.py [--history N] [--depth D] [--prefetch-programs P] [--python | --rounds R] > out.txt
+    python tools/adapter_host_timeline.py [--history N] [--depth D] [--prefetch-programs P]
+        [--cache-write engine|adapter] [--compute-ms X] [--python | --rounds R | --sampled STEPS] > out.txt
 
 Runs `interop.bench.Workload` (one request, D = 1, fp8_ds_mla, 8 layers, 4 ms of
 `torch.cuda._sleep` per layer on torch's default stream, so the host runs far ahead of the GPU),
@@ -15,6 +16,14 @@ compare pieces with each other, not with untraced timings.  With --python: cProf
 layer calls instead (the Python functions by their own time per layer).  With --rounds R: R traces
 of two steps each in one process, and per name its median inside one `gather` in every round,
 side by side (which piece moves when the host time of a layer moves between rounds).
+
+With --sampled STEPS: the layer loop runs STEPS steps, each drained, under py-spy (`--py-spy`,
+default `py-spy` on the PATH), which samples the Python and native stacks from outside and adds
+no code to the process (it pauses the process for each sample, so the loop's host times run
+longer than unsampled; read the shares).  Prints the host time per layer in rounds of 25 steps
+and, of the samples inside the adapter's calls (compiles left out), the share in PJRT's execute
+of the layer program, in JAX's jit call around it, in torch's calls, in other JAX calls and in
+ckv-jax's own Python, then the deepest ckv-jax source line of each sample by share.
 """
 from __future__ import annotations
 
@@ -22,9 +31,13 @@ import argparse
 import collections
 import glob
 import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -156,6 +169,79 @@ def python_profile(work: bench.Workload, adapter, compute, steps: int = 6, shown
     return out.getvalue()
 
 
+# a sample's share, by the first rule whose frame pattern any of its frames below the adapter's call matches
+SAMPLE_KINDS = (
+    ("PJRT execute of the program", re.compile(r"LoadedExecutable(_|::)Execute")),
+    ("JAX jit call around it", re.compile(r"PjitFunction|_cpp_pjit")),
+    ("torch calls", re.compile(r"\(torch/|libtorch|THCP|THPVariable|c10::")),
+    ("other JAX calls", re.compile(r"\(jax/|jaxlib|libjax")),
+)
+ADAPTER_CALLS = re.compile(r"TorchCkvAdapter\.(gather|set_current_chunk) \(interop/adapter\.py")
+OWN_LINE = re.compile(r"\((interop|ckv_jax)/[\w/]+\.py:\d+\)")
+
+
+def sampled_loop(work: bench.Workload, adapter, compute, steps: int) -> list[float]:
+    """The bench's layer loop for `steps` drained steps after three warm ones: each round of 25
+    steps' median host time of one layer's calls (us)."""
+    for _ in range(3):
+        work.step(adapter, compute)
+    torch.cuda.synchronize()
+    rounds, host = [], []
+    for step in range(steps):
+        work.begin_step(adapter)
+        work.layers(adapter, compute, host)
+        torch.cuda.synchronize()
+        if step % 25 == 24 or step == steps - 1:
+            rounds.append(1e6 * statistics.median(host))
+            host = []
+    return rounds
+
+
+def sample_shares(raw_lines) -> str:
+    """The report of py-spy's raw output (`frame;frame;... count` per line) over the samples
+    inside the adapter's per-layer calls; compiles (a jit cache miss) are left out."""
+    kinds, lines, total = collections.Counter(), collections.Counter(), 0
+    for line in raw_lines:
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        frames = stack.split(";")
+        root = next((i for i, f in enumerate(frames) if ADAPTER_CALLS.search(f)), None)
+        if root is None or any("cache_miss" in f or "compile" in f for f in frames[root:]):
+            continue
+        n, below = int(count), frames[root:]
+        total += n
+        kinds[next((name for name, rule in SAMPLE_KINDS if any(rule.search(f) for f in below)),
+                   "ckv-jax Python")] += n
+        own = [f for f in below if OWN_LINE.search(f)]
+        lines[own[-1] if own else below[0]] += n
+    if not total:
+        return "no samples inside the adapter's calls"
+    out = [f"{total} samples inside the adapter's calls; share by kind:"]
+    out += [f"  {100 * n / total:5.1f}%  {name}" for name, n in kinds.most_common()]
+    out.append("the deepest ckv-jax line of each sample, by share:")
+    out += [f"  {100 * n / total:5.1f}%  {name[:100]}" for name, n in lines.most_common(16)]
+    return "\n".join(out)
+
+
+def sampled(args) -> int:
+    """Runs this tool's loop (--loop-only) under py-spy, then reports."""
+    spy = shutil.which(args.py_spy)
+    if spy is None:
+        print(f"--sampled needs py-spy ({args.py_spy!r} is not on the PATH; pip install py-spy)", file=sys.stderr)
+        return 2
+    child = [sys.executable, os.path.abspath(__file__), "--loop-only", str(args.sampled), "--history",
+             str(args.history), "--depth", str(args.depth), "--cache-write", args.cache_write,
+             "--compute-ms", str(args.compute_ms)]
+    if args.prefetch_programs:
+        child += ["--prefetch-programs", str(args.prefetch_programs)]
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "raw.txt")
+        subprocess.run([spy, "record", "--native", "--rate", str(args.rate), "--format", "raw", "--output", raw,
+                        "--", *child], check=True)
+        with open(raw) as f:
+            print(sample_shares(f))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--history", type=int, default=1 << 20, help="history tokens (default %(default)s)")
@@ -166,15 +252,33 @@ def main(argv=None) -> int:
                     help="cProfile the layer calls' Python instead of tracing with JAX's profiler")
     ap.add_argument("--rounds", type=int, default=0,
                     help="trace this many times and compare the pieces' medians between the traces")
+    ap.add_argument("--sampled", type=int, default=0, metavar="STEPS",
+                    help="run STEPS steps of the layer loop under py-spy and report where the host time goes")
+    ap.add_argument("--loop-only", type=int, default=0, metavar="STEPS", help=argparse.SUPPRESS)
+    ap.add_argument("--py-spy", default="py-spy", help="the py-spy executable for --sampled")
+    ap.add_argument("--rate", type=int, default=200, help="py-spy's samples per second (default %(default)s)")
+    ap.add_argument("--cache-write", choices=bench.CACHE_WRITES, default="engine",
+                    help="who writes each layer's cache (default %(default)s)")
+    ap.add_argument("--compute-ms", type=float, default=4.0,
+                    help="torch.cuda._sleep per layer, ms (default %(default)s)")
     args = ap.parse_args(argv)
+    if args.sampled:
+        return sampled(args)
     if not (torch.cuda.is_available() and jax.default_backend() == "gpu"):
         print("adapter_host_timeline needs torch and JAX on a CUDA GPU", file=sys.stderr)
         return 2
-    work = bench.Workload(args.history, 4096, 8)
+    work = bench.Workload(args.history, 4096, 8, cache_write=args.cache_write)
     print(f"history {args.history}, depth {args.depth}, prefetch programs {args.prefetch_programs}, "
-          f"jax {jax.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    compute = bench.compute_kernels(4.0)["sleep"]
-    if args.python:
+          f"cache write {args.cache_write}, {args.compute_ms} ms of sleep a layer, "
+          f"jax {jax.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    compute = bench.compute_kernels(args.compute_ms)["sleep"]
+    if args.loop_only:
+        adapter = work.adapter(args.depth, args.prefetch_programs)
+        start = time.perf_counter()
+        rounds = sampled_loop(work, adapter, compute, args.loop_only)
+        print(f"host us per layer, median of each 25 steps ({time.perf_counter() - start:.1f} s): "
+              + " ".join(f"{r:.0f}" for r in rounds), flush=True)
+    elif args.python:
         adapter = work.adapter(args.depth, args.prefetch_programs)
         print(python_profile(work, adapter, compute))
     elif args.rounds:
