@@ -14,7 +14,10 @@ adapter copies per layer (`--latents copied`).  The engine writes each layer's c
 engine's writer kernel stores them, or byte by byte, `bytes`, torch's element-wise kernel that
 earlier runs used), or leaves it to the adapter (`adapter`: `gather(..., write_cache=True)`
 writes it with ckv-jax's writer in the layer's program); the compute alone always has the
-engine's write.  Two kinds of
+engine's write.  `--torch-marks before|after` records a timing event on torch's stream just
+before or after each layer's compute in every variant, as an engine's own marks would: the
+hand-offs between the streams take a few microseconds more or less with such incidental
+commands.  Two kinds of
 compute: `sleep` (`torch.cuda._sleep`: one spinning CTA, the SMs stay free, so this measures the
 ordering machinery alone) and `matmul` (bf16 matmuls that fill every SM: the realistic worst
 case).  Per row:
@@ -207,6 +210,26 @@ def _compute_rates() -> tuple[float, torch.Tensor, float]:
     return per_cycle_ms, a, per_matmul_ms
 
 
+def _with_marks(kernels: dict, marks: str) -> dict:
+    """`kernels` (`compute_kernels`) with an event recorded on torch's current stream before or
+    after each call (`TORCH_MARKS`)."""
+    if marks not in TORCH_MARKS:
+        raise ValueError(f"marks: expected one of {TORCH_MARKS}, got {marks!r}")
+    if marks == "none":
+        return kernels
+    event = torch.cuda.Event(enable_timing=True)          # a timing mark, as an engine's would be
+
+    def marked(fn):
+        def call():
+            if marks == "before":
+                event.record()
+            fn()
+            if marks == "after":
+                event.record()
+        return call
+    return {kind: marked(fn) for kind, fn in kernels.items()}
+
+
 def compute_kernels(target_ms: float) -> dict:
     """kind -> a function that queues about target_ms of that compute on torch's current stream."""
     per_cycle_ms, a, per_matmul_ms = _compute_rates()
@@ -281,6 +304,9 @@ def pack_bandwidth(work: Workload, programs, calls: int = 20) -> list[dict]:
 
 STREAMS = ("default", "side", "priority")
 CACHE_WRITES = ("engine", "adapter")       # who writes each layer's cache in a step with the adapter
+# an event torch records on its stream around each layer's compute, as an engine's own timing or
+# profiling marks would: none, or just before or just after the compute
+TORCH_MARKS = ("none", "before", "after")
 ENGINE_WRITES = ("words", "bytes")         # the engine's stand-in cache write (`Workload.write`)
 
 
@@ -353,13 +379,14 @@ def _interleaved(work: Workload, adapters: dict, depths, compute, trials: int, w
 
 def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, prefetch_programs=None,
         chunk_in_place=True, mark_before_write=True, native_signal=True, indexer_pct=0.0,
-        cache_writes=("engine",), engine_write="words") -> list[dict]:
+        cache_writes=("engine",), engine_write="words", torch_marks="none") -> list[dict]:
     """The rows of the matrix (module docstring).  indexer_pct: the share of each X queued just
     before the cache write (0: none).  cache_writes: who writes the caches in the steps with the
     adapter (`CACHE_WRITES`), each a set of rows; the compute alone always has the engine's
-    write, `engine_write` (`ENGINE_WRITES`)."""
+    write, `engine_write` (`ENGINE_WRITES`).  torch_marks: `TORCH_MARKS`, an event recorded on
+    torch's stream before or after each layer's compute, in every variant."""
     rows = []
-    computes = {x: compute_kernels(x * (1 - indexer_pct / 100)) for x in compute_ms}
+    computes = {x: _with_marks(compute_kernels(x * (1 - indexer_pct / 100)), torch_marks) for x in compute_ms}
     indexers = {x: compute_kernels(x * indexer_pct / 100) if indexer_pct else None for x in compute_ms}
     for history in histories:
         work = Workload(history, chunk, layers, chunk_in_place=chunk_in_place, mark_before_write=mark_before_write,
@@ -390,7 +417,7 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
                             cache_write=cache_write, engine_write=engine_write,
                             chunk_latents="in-place" if chunk_in_place else "copied",
                             latents_marked="before-write" if mark_before_write else "after-write",
-                            indexer_pct=indexer_pct,
+                            indexer_pct=indexer_pct, torch_marks=torch_marks,
                             signal=_signal_kind(adapters[depth]),
                             prefetch_tiles=str(adapters[depth].orch.prefetch_tiles),
                             compute_ms_per_layer=x_ms, gather_ms_per_layer=gather_ms[cache_write],
@@ -471,6 +498,9 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-write", choices=ENGINE_WRITES, default="words",
                     help="the engine's stand-in cache write: the records scattered as 8-byte words or as bytes "
                          "(default %(default)s)")
+    ap.add_argument("--torch-marks", choices=TORCH_MARKS, default="none",
+                    help="an event recorded on torch's stream just before or after each layer's compute, in "
+                         "every variant, as an engine's timing marks would be (default %(default)s)")
     ap.add_argument("--signal", choices=["native", "callback"], default="native",
                     help="the layer program's in-program signal: the native custom call, or the Python "
                          "callback (default %(default)s)")
@@ -502,7 +532,7 @@ def main(argv=None) -> int:
     print(HEADER, flush=True)
     rows = run(args.histories, args.chunk, args.layers, args.depths, args.compute_ms, args.kinds, args.streams,
                args.trials, args.prefetch_programs, args.latents == "in-place", args.mark == "before-write",
-               args.signal == "native", args.indexer_pct, args.cache_writes, args.engine_write)
+               args.signal == "native", args.indexer_pct, args.cache_writes, args.engine_write, args.torch_marks)
     if any(r["hidden_pct"] > 100 for r in rows):
         print("* hidden above 100%: the step with the adapter ran faster than the compute alone; the baseline "
               "moved by more than what stays exposed (compare its spread)", flush=True)
