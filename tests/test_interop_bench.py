@@ -1,0 +1,28 @@
+"""`python -m interop.bench`'s host-side pieces that run without a GPU: the printed row and the
+compute's marks option (the matrix itself runs on a GPU)."""
+import pytest
+
+from interop import bench
+
+
+def _row(depth, step_ms, hidden_pct, **extra):
+    return dict(compute_kind="sleep", torch_stream="side", cache_write="adapter", history=262144,
+                compute_ms_per_layer=1.0, gather_ms_per_layer=0.132, compute_only_ms=8.0,
+                compute_only_spread_pct=0.3, depth=depth, step_ms=step_ms, hidden_pct=hidden_pct,
+                host_us_per_layer=190.0, spread_pct=0.1, host_probe_jax_us=35.0, host_probe_torch_us=9.0, **extra)
+
+
+def test_line_marks_hidden_shares_above_100_and_shows_the_baselines_spread():
+    line = bench._line([_row(0, 9.1, 0.0), _row(1, 8.06, 94.5), _row(2, 7.99, 100.9)])
+    cells = line.split("  d")
+    assert cells[0].endswith("8.00 ( 0.3) d0    9.10 (  0.0%,  190, 0.1)")    # the compute alone, its spread
+    assert cells[1] == "1    8.06 ( 94.5%,  190, 0.1)"                        # at or under 100: no mark
+    assert cells[2].startswith("2    7.99 (100.9%*,  190, 0.1)")              # the baseline moved more
+    assert line.endswith("probe 35/9 us")
+
+
+def test_marks_leave_the_kernels_as_they_are_when_none_and_name_the_choices_otherwise():
+    kernels = {"sleep": lambda: None}
+    assert bench._with_marks(kernels, "none") is kernels
+    with pytest.raises(ValueError, match=r"marks: expected one of \('none', 'before', 'after'\), got 'around'"):
+        bench._with_marks(kernels, "around")
