@@ -304,10 +304,10 @@ def pack_bandwidth(work: Workload, programs, calls: int = 20) -> list[dict]:
 
 STREAMS = ("default", "side", "priority")
 CACHE_WRITES = ("engine", "adapter")       # who writes each layer's cache in a step with the adapter
+ENGINE_WRITES = ("words", "bytes")         # the engine's stand-in cache write (`Workload.write`)
 # an event torch records on its stream around each layer's compute, as an engine's own timing or
 # profiling marks would: none, or just before or just after the compute
 TORCH_MARKS = ("none", "before", "after")
-ENGINE_WRITES = ("words", "bytes")         # the engine's stand-in cache write (`Workload.write`)
 
 
 def torch_stream(kind: str) -> torch.cuda.Stream:
