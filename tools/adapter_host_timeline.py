@@ -223,7 +223,11 @@ def sample_shares(raw_lines) -> str:
 
 
 def sampled(args) -> int:
-    """Runs this tool's loop (--loop-only) under py-spy, then reports."""
+    """Runs this tool's loop (--loop-only) under py-spy, then reports.  This process only asks
+    torch whether a GPU is there: JAX's GPU client, started here, would hold the child's memory."""
+    if not torch.cuda.is_available():
+        print("adapter_host_timeline needs torch and JAX on a CUDA GPU", file=sys.stderr)
+        return 2
     spy = shutil.which(args.py_spy)
     if spy is None:
         print(f"--sampled needs py-spy ({args.py_spy!r} is not on the PATH; pip install py-spy)", file=sys.stderr)
@@ -235,8 +239,11 @@ def sampled(args) -> int:
         child += ["--prefetch-programs", str(args.prefetch_programs)]
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "raw.txt")
-        subprocess.run([spy, "record", "--native", "--rate", str(args.rate), "--format", "raw", "--output", raw,
-                        "--", *child], check=True)
+        done = subprocess.run([spy, "record", "--native", "--rate", str(args.rate), "--format", "raw", "--output",
+                               raw, "--", *child])
+        if done.returncode or not os.path.exists(raw):
+            print(f"py-spy or the sampled loop failed (exit code {done.returncode})", file=sys.stderr)
+            return done.returncode or 1
         with open(raw) as f:
             print(sample_shares(f))
     return 0
