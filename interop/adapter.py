@@ -327,21 +327,25 @@ class TorchCkvAdapter:
     def _write_dlpack(self, kv_cache: torch.Tensor, chunk):
         """The DLPack path's cache write: JAX encodes the chunk's records (XLA on a CPU would
         write a donated import into a copy), torch scatters this rank's into `kv_cache`."""
-        kv_c, k_pe = (self._replicated(bridge.to_jax(t, name=n, device=self.device), t)
-                      for n, t in zip(("kv_c", "k_pe"), chunk))
+        kv_c, k_pe = self._import_chunk(chunk)
         records = bridge.to_torch(self.fmt.encode(kv_c, k_pe).addressable_data(0), name="records")
         torch_records.write(kv_cache, records, self._host_slots)
 
     def _gather_dlpack(self, layer_idx, lane, cache, chunk):
         # imported now, after the engine's cache write: every computation of this call takes kv_c
         # as an input, which orders it after torch's work so far (writes, and reads of reused slots)
-        kv_c, k_pe = (self._replicated(bridge.to_jax(t, name=n, device=self.device), t)
-                      for n, t in zip(("kv_c", "k_pe"), chunk))
+        kv_c, k_pe = self._import_chunk(chunk)
         exported = []
         # exported before any prefetch is dispatched: torch's wait then covers this layer's work only
         self.orch.gather(layer_idx, cache, kv_c, k_pe, key=lane, after=kv_c,
                          ready=lambda ws: exported.append(bridge.to_torch(ws.addressable_data(0), name="workspace")))
         return exported[0]
+
+    def _import_chunk(self, chunk):
+        """The DLPack path's import of the chunk (kv_c, k_pe) as replicated JAX arrays, ordered
+        after the work torch's current stream holds now; the tensors are kept alive for the step."""
+        return tuple(self._replicated(bridge.to_jax(t, name=n, device=self.device), t)
+                     for n, t in zip(("kv_c", "k_pe"), chunk))
 
     def _chunk_on_device(self, chunk):
         """cuda-events: the chunk in the first T rows of the persistent buffers (copied there on
