@@ -407,7 +407,7 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
                     probe = host_probe_us()
                     compute_only, steps, host, begin = _interleaved(work, adapters, depths, compute, trials,
                                                                     indexer=indexer)
-                    x_ms = statistics.median(compute_only) / layers
+                    alone = statistics.median(compute_only)
                     by_depth = {}
                     for depth in depths:
                         by_depth[depth] = statistics.median(steps[depth])
@@ -420,18 +420,17 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
                             indexer_pct=indexer_pct, torch_marks=torch_marks,
                             signal=_signal_kind(adapters[depth]),
                             prefetch_tiles=str(adapters[depth].orch.prefetch_tiles),
-                            compute_ms_per_layer=x_ms, gather_ms_per_layer=gather_ms[cache_write],
-                            compute_only_ms=statistics.median(compute_only),
-                            compute_only_spread_pct=100 * (max(compute_only) - min(compute_only))
-                            / statistics.median(compute_only),
+                            compute_ms_per_layer=alone / layers, gather_ms_per_layer=gather_ms[cache_write],
+                            compute_only_ms=alone,
+                            compute_only_spread_pct=100 * (max(compute_only) - min(compute_only)) / alone,
                             step_ms=by_depth[depth],
                             spread_pct=100 * (max(steps[depth]) - min(steps[depth])) / by_depth[depth],
                             host_us_per_layer=1e6 * statistics.median(host[depth]),
                             begin_step_us=1e6 * statistics.median(begin[depth]),
                             host_probe_jax_us=probe["jax"], host_probe_torch_us=probe["torch"]))
-                    exposed0 = by_depth[min(depths)] - statistics.median(compute_only)
+                    exposed0 = by_depth[min(depths)] - alone
                     for r in rows[-len(depths):]:
-                        r["hidden_pct"] = 100 * (1 - (r["step_ms"] - r["compute_only_ms"]) / exposed0)
+                        r["hidden_pct"] = 100 * (1 - (r["step_ms"] - alone) / exposed0)
                     print(_line(rows[-len(depths):]), flush=True)
         for a in adapters.values():
             a.close()
