@@ -167,7 +167,9 @@ def bounded_pack_tiles(programs: int) -> paged_gather.GatherTiles:
     bounded grid leaves the other SMs to them.  Measured on the H200 (BENCHMARKS.md, "Torch
     adapter overlap"): that hides a prefetch under compute that leaves SMs idle, but slows compute
     that fills every SM (matmuls) by more than it hides, where the full grid does better; so the
-    full grid is the default and a bounded one the caller's choice (`prefetch_programs`)."""
+    full grid is the default and a bounded one the caller's choice (`prefetch_programs`).  A
+    program copies one tile at a time; `python tools/tune.py --ops gather_records_persistent`
+    times larger tiles, which hold more bytes in flight per program."""
     if isinstance(programs, bool) or not isinstance(programs, int) or programs <= 0:
         raise ValueError(f"programs: expected a positive number of persistent programs, got {programs!r}")
     return paged_gather.GatherTiles(rows_per_tile=64, num_warps=8, programs=programs)

@@ -188,6 +188,28 @@ def test_gather_configs_match_numpy_model(name, config, kernel_mode):
     np.testing.assert_array_equal(np.asarray(deq).view(np.uint16), np.asarray(ref).view(np.uint16))
 
 
+# the persistent pack (`programs` > 0, the prefetch's bounded footprint): several tiles per
+# program with the last round past the end, tiles over fewer programs than tiles, one tile larger
+# than every row with programs that get none (the sweep's largest candidate), the prefetch's tiles
+# as one program
+PERSISTENT_CONFIGS = [pallas_triton.GatherTiles(8, 2, 512, programs=2), pallas_triton.GatherTiles(16, 4, 128, programs=3),
+                      pallas_triton.GatherTiles(256, 16, 512, programs=3), pallas_triton.GatherTiles(64, 8, programs=1)]
+
+
+@pytest.mark.parametrize("config", PERSISTENT_CONFIGS, ids=lambda c: f"tile{c.rows_per_tile}_w{c.num_warps}_programs{c.programs}")
+@pytest.mark.parametrize("name", NAMES)
+def test_persistent_gather_configs_match_numpy_model(name, config, kernel_mode):
+    fmt, cache, table, cu, rows = _case(name, seed=5)
+    # poisoned, with rows past num_rows (a ring slot larger than the step): rows [0, num_rows)
+    # must all be written and no other
+    out = np.full((rows + 9, cache.shape[2]), 0xA5, np.uint8)
+    got = np.asarray(pallas_triton.gather_records_triton(
+        jnp.asarray(cache), jnp.asarray(table), jnp.asarray(cu), num_rows=rows, config=config, out=jnp.asarray(out),
+        interpret=kernel_mode == "interpret"))
+    np.testing.assert_array_equal(got[:rows], _numpy_model(cache, table, cu, rows))
+    assert (got[rows:] == 0xA5).all(), "rows past num_rows were written"
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_gather_slots_matches_numpy_model(name, implementation):
     """Random slots over the whole cache with repeats, -1, num_slots and INT32_MAX sentinels, and a

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ckv_jax import formats
+from ckv_jax import dcp_step, formats
 from ckv_jax.benchmarks import timing as timing_mod
 from pallas_kernels import cache_writer, paged_gather, selection, sparse_mla_attention, tuning
 from pallas_kernels.cache_writer import WriterTiles
@@ -188,6 +188,37 @@ def test_sweep_table_rows_pick_the_fastest_exact_non_baseline_over_both_formats(
     assert len(rows) == 2
     assert rows[0] == (0, ("pallas_triton", "xla"), {"pallas_triton": a})
     assert rows[1] == (int((2 * 100 * 656 * 2 * 400 * 656) ** 0.5), ("xla", "pallas_triton"), {"pallas_triton": a})
+
+
+def test_sweep_table_rows_leave_out_the_persistent_pack():
+    """The persistent pack's rows (its footprint is the caller's choice, `prefetch_programs`) add
+    no table entry, however fast."""
+    full = {"rows_per_tile": 8, "num_warps": 4, "programs": 0}
+    bounded = {"rows_per_tile": 256, "num_warps": 16, "programs": 33}
+    results = [_result("gather_records", f, 100, "pallas_triton", full, 10.0) for f in ("fp8", "nvfp4")]
+    results += [_result(tune.PERSISTENT_OP, f, 100, "pallas_triton", bounded, 5.0) for f in ("fp8", "nvfp4")]
+    rows = tune.table_rows(results)
+    assert set(rows) == {"gather_records"}
+    assert rows["gather_records"][0][2] == {"pallas_triton": full}
+
+
+def test_the_persistent_candidates_are_valid_bounded_tiles():
+    """Each candidate tile becomes a persistent config at any program count, and the sweep's
+    sizes cover the torch adapter bench's two histories."""
+    for tiles in tune.PERSISTENT_TILES:
+        assert tiles.programs == 0
+        assert dataclasses.replace(tiles, programs=33).programs == 33
+    # the prefetch's tiles now are among them, as the baseline of the others
+    assert dataclasses.replace(dcp_step.bounded_pack_tiles(33), programs=0) in tune.PERSISTENT_TILES
+    assert tune.SIZES[tune.PERSISTENT_OP] == (262144, 1048576)
+
+
+@pytest.mark.parametrize("option, text", [("--persistent-programs", "0,33"), ("--persistent-programs", "a"),
+                                          ("--persistent-programs", ""), ("--tokens", "4096,-1")])
+def test_the_sweep_checks_its_counts_before_anything_runs(option, text, capsys):
+    with pytest.raises(SystemExit):
+        tune.main(["--ops", tune.PERSISTENT_OP, option, text])
+    assert f"{option}: expected comma-separated positive integers, got {text!r}" in capsys.readouterr().err
 
 
 def test_sweep_table_rows_rank_by_device_time_where_every_candidate_has_one():

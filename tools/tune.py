@@ -3,6 +3,7 @@
   python tools/tune.py [--ops gather_records,gather_dequant,gather_slots,write_records]
                          [--formats fp8_ds_mla,nvfp4_ds_mla] [--tokens N,...] [--requests N]
                          [--out tune.json] [--table-out pallas_kernels/tuned]
+  python tools/tune.py --ops gather_records_persistent [--persistent-programs N,...]
 
 Per op, format and size, in one process: the copy ceiling of the same bytes (the faster of an XLA
 and a torch contiguous copy), the XLA implementation, the torch op doing the same movement where
@@ -17,6 +18,12 @@ sizes' "bytes / bandwidth + one launch" floor.  Prints the winners, ranked by de
 every candidate has one, as the table `pallas_kernels.tuning` reads (`--table-out DIR` writes it
 as DIR/<device kind>.json); `--table-from a.json b.json ...` makes the table from earlier sweeps
 instead, each config's time averaged over the sweeps that ran it.
+
+`gather_records_persistent` is the prefetch's pack with a bounded SM footprint
+(`ckv_jax.dcp_step.bounded_pack_tiles`): every candidate tile at every program count, beside the
+synchronous gather as `gather_records` selects it (a full grid; a baseline row).  The footprint
+is the caller's choice (`prefetch_programs`), so these rows inform the bounded pack's tiles and
+add nothing to the table.
 """
 from __future__ import annotations
 
@@ -50,11 +57,18 @@ GATHER_CONFIGS = [GatherTiles(t, w) for t, w in [(4, 2), (4, 4), (8, 2), (8, 4),
 DEQUANT_CONFIGS = [GatherTiles(t, w) for t, w in [(4, 4), (8, 2), (8, 4), (16, 8)]]
 SLOT_CONFIGS = [GatherTiles(t, w) for t, w in [(4, 2), (8, 2), (8, 4), (16, 8), (32, 8)]]
 WRITER_CONFIGS = [WriterTiles(t, w) for t, w in [(4, 2), (4, 4), (8, 2), (8, 4)]]
+# the persistent pack's candidates, by the bytes one program holds in flight (rows x R): a program
+# copies one tile at a time, so a tile of 64 fp8 records (42 KB, the current tiles) caps it near
+# one tile per memory latency (about 40 GB/s a program on the H200: 33 programs at 1.4 TB/s,
+# BENCHMARKS.md "the bounded pack's price"); larger tiles may let fewer SMs move the same bytes
+PERSISTENT_OP = "gather_records_persistent"
+PERSISTENT_TILES = [GatherTiles(t, w) for t, w in [(32, 4), (64, 8), (128, 8), (128, 16), (256, 16)]]
 # tokens per op: from a 21 MB pack, a 64K-token shard and decode-sized slot lists up to working
 # sets far above the 60 MB L2 (524,288 fp8 records are the 344 MB pack of the goals; 131,072
 # written tokens are the patch of `ckv-jax bench`)
 SIZES = {"gather_records": (32768, 131072, 524288, 1048576), "gather_dequant": (65536, 1048576),
-         "gather_slots": (2048, 131072, 1048576), "write_records": (8192, 131072, 262144, 1048576)}
+         "gather_slots": (2048, 131072, 1048576), "write_records": (8192, 131072, 262144, 1048576),
+         PERSISTENT_OP: (262144, 1048576)}       # the torch adapter bench's two histories
 
 
 def launch_timing() -> Timing:
@@ -140,9 +154,14 @@ def request_tables(rng, num_blocks, tokens, num_requests):
     return table, np.concatenate([[0], np.cumsum(lens)]).astype(np.int32), pages
 
 
-def sweep_paged(op, names, log, results, num_requests=1):
+def sweep_paged(op, names, log, results, num_requests=1, persistent_programs=()):
+    """gather_records, gather_dequant, or the persistent pack (PERSISTENT_OP) at each of
+    `persistent_programs`."""
     device = jax.devices()[0]
-    configs = GATHER_CONFIGS if op == "gather_records" else DEQUANT_CONFIGS
+    if op == PERSISTENT_OP:                    # every candidate tile at every program count
+        configs = [dataclasses.replace(t, programs=p) for p in persistent_programs for t in PERSISTENT_TILES]
+    else:
+        configs = DEQUANT_CONFIGS if op == "gather_dequant" else GATHER_CONFIGS
     for tokens in SIZES[op]:
         for name in names:
             fmt = formats.get(name)
@@ -152,17 +171,20 @@ def sweep_paged(op, names, log, results, num_requests=1):
             rng = np.random.default_rng(tokens)
             cache_np = _record_cache(fmt, nb, rng)
             cache = jax.device_put(cache_np, device)
-            out_bytes = tokens * (rb if op == "gather_records" else 2 * fmt.value_dim)
+            records = op != "gather_dequant"
+            out_bytes = tokens * (rb if records else 2 * fmt.value_dim)
             steps = [request_tables(rng, nb, tokens, num_requests) for _ in range(repeats_for(out_bytes))]
             inputs = [(cache, jnp.asarray(table), jnp.asarray(cu)) for table, cu, _ in steps]
             pages = [p for _, _, p in steps]
-            if op == "gather_records":
+            if records:
                 moved = 2 * tokens * rb
                 ref = np.asarray(paged_gather.gather_records_reference(*inputs[0], num_rows=tokens))
-                variants = [("xla", None, lambda c, b, u: paged_gather.gather_records_reference(c, b, u, num_rows=tokens))]
+                variants = [] if op == PERSISTENT_OP else [("xla", None, lambda c, b, u: (
+                    paged_gather.gather_records_reference(c, b, u, num_rows=tokens)))]
                 variants += [("pallas_triton", cfg, lambda c, b, u, cfg=cfg: paged_gather.gather_records_triton(
                     c, b, u, num_rows=tokens, config=cfg)) for cfg in configs]
-                if paged_gather.GATHER_RECORDS.implementation("pallas_mosaic_gpu").supported_on(device, cache.size, False)[0]:
+                if op == "gather_records" and paged_gather.GATHER_RECORDS.implementation(
+                        "pallas_mosaic_gpu").supported_on(device, cache.size, False)[0]:
                     variants.append(("pallas_mosaic_gpu", None, lambda c, b, u: paged_gather.gather_records(
                         c, b, u, num_rows=tokens, implementation="pallas_mosaic_gpu")))
             else:
@@ -175,7 +197,12 @@ def sweep_paged(op, names, log, results, num_requests=1):
                     c, b, u, num_rows=tokens, layout=fmt.layout, config=cfg)) for cfg in configs]
             copy = copy_ceiling(moved)
             _time_variants(op, fmt, tokens, variants, inputs, ref, moved, copy, log, results)
-            if op == "gather_records":       # baselines: the same pages whole, no masking or padding
+            if op == PERSISTENT_OP:            # baseline: the synchronous gather as selected (a full grid)
+                sync = lambda c, b, u: paged_gather.gather_records(c, b, u, num_rows=tokens)   # noqa: E731
+                exact = same_bits(np.asarray(jax.jit(sync)(*inputs[0])), ref)
+                _timed(log, results, _row(op, fmt, tokens, "selected", None, measure_pure(sync, inputs), moved,
+                                          copy, exact, baseline=True))
+            elif records:                    # baselines: the same pages whole, no masking or padding
                 words = jax.device_put(cache_np.reshape(nb, -1).view(np.uint32), device)
                 take_inputs = [(words, jnp.asarray(p)) for p in pages]
                 take = lambda w, p: jnp.take(w, p, axis=0)                       # noqa: E731
@@ -260,6 +287,17 @@ MOSAIC_ATTENTION_CONFIGS = [MosaicAttentionTiles(copy_issuers=w, split_scores=sp
 SWEPT_ATTENTION = {"pallas_triton": ATTENTION_CONFIGS, "pallas_mosaic_gpu": MOSAIC_ATTENTION_CONFIGS}
 
 
+def parse_counts(option: str, text: str, ap: argparse.ArgumentParser) -> tuple[int, ...]:
+    """Comma-separated positive integers, or the parser's error naming `option`."""
+    try:
+        counts = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or any(n <= 0 for n in counts):
+        ap.error(f"{option}: expected comma-separated positive integers, got {text!r}")
+    return counts
+
+
 def parse_mosaic_configs(text: str) -> list[MosaicAttentionTiles]:
     """`--mosaic-configs`: configs separated by ';', each 'field=value,...' of MosaicAttentionTiles
     (integers; true / false for its flags), e.g. 'copy_issuers=128,k_slots=2,compute_registers=208'."""
@@ -337,7 +375,9 @@ def table_rows(results):
     is the device time where every candidate of the size has one, else the host-clock time.
     Paged gathers count with one request (the size's bytes as one pack)."""
     rows = {}
-    results = [r for r in results if r.get("requests", 1) == 1]     # a sweep of several requests adds no rows
+    # a sweep of several requests adds no rows, nor does the persistent pack (its footprint is the
+    # caller's choice, not a size's winner)
+    results = [r for r in results if r.get("requests", 1) == 1 and r["op"] != PERSISTENT_OP]
     for op in sorted({r["op"] for r in results}):
         sizes = sorted({r["size"] for r in results if r["op"] == op})
         moved = {s: min(r["bytes_moved"] for r in results if r["op"] == op and r["size"] == s) for s in sizes}
@@ -412,7 +452,7 @@ def write_table(results, kind, table_dir) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/tune.py", description=__doc__.splitlines()[0])
     ap.add_argument("--ops", default="gather_records,gather_dequant,gather_slots,write_records",
-                    help="ops to sweep (default %(default)s; also sparse_mla_attention)")
+                    help=f"ops to sweep (default %(default)s; also sparse_mla_attention and {PERSISTENT_OP})")
     ap.add_argument("--formats", default="fp8_ds_mla,nvfp4_ds_mla")
     ap.add_argument("--tokens", default=None, help="comma-separated sizes for every op (default: SIZES)")
     ap.add_argument("--requests", type=int, default=1,
@@ -424,6 +464,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mosaic-configs", default=None, metavar="SPECS",
                     help="sparse_mla_attention: sweep these Mosaic GPU configs instead of the built-in list, "
                          "';'-separated 'field=value,...' (e.g. 'copy_issuers=128,k_slots=2,compute_registers=208')")
+    ap.add_argument("--persistent-programs", default=None, metavar="N,...",
+                    help=f"{PERSISTENT_OP}: the program counts swept (default: an eighth, a quarter and half "
+                         "of the GPU's SMs)")
     ap.add_argument("--out", default="tune.json", help="the JSON results file")
     ap.add_argument("--table-from", nargs="+", metavar="JSON", default=None,
                     help="measure nothing: make the table from earlier sweeps' JSON files (times averaged)")
@@ -435,9 +478,7 @@ def main(argv=None) -> int:
         write_table(merge_results(args.table_from), args.device_kind, args.table_out)
         return 0
     if args.tokens:
-        sizes = tuple(int(t) for t in args.tokens.split(","))
-        if any(t <= 0 for t in sizes):
-            ap.error(f"--tokens: expected positive sizes, got {args.tokens!r}")
+        sizes = parse_counts("--tokens", args.tokens, ap)
         SIZES.update((op, sizes) for op in SIZES)
     if args.requests < 1:
         ap.error(f"--requests: expected at least 1, got {args.requests}")
@@ -449,6 +490,9 @@ def main(argv=None) -> int:
             swept = dict(SWEPT_ATTENTION, pallas_mosaic_gpu=parse_mosaic_configs(args.mosaic_configs))
         except (ValueError, TypeError) as e:
             ap.error(str(e))
+    programs = None
+    if args.persistent_programs is not None:
+        programs = parse_counts("--persistent-programs", args.persistent_programs, ap)
     if jax.default_backend() != "gpu":
         print("the tuning sweep times compiled kernels: it needs a GPU", file=sys.stderr)
         return 2
@@ -463,11 +507,16 @@ def main(argv=None) -> int:
     device_launch = "-" if meta["launch_device_us"] is None else f"{meta['launch_device_us']:.2f}"
     log(f"tuning on {meta['device']} (jax {meta['jax']}); one trivial kernel in a program: {meta['launch_us']:.1f} us"
         f" (device timeline: {device_launch} us)")
+    if programs is None:
+        cores = getattr(device, "core_count", 0) or 0
+        programs = tuple(sorted({n for n in (cores // 8, cores // 4, cores // 2) if n > 0}))
+        if not programs and PERSISTENT_OP in args.ops.split(","):
+            ap.error(f"--persistent-programs: {device.device_kind} reports no SM count; give the program counts")
     results = []
     for op in args.ops.split(","):
-        if op in ("gather_records", "gather_dequant"):
+        if op in ("gather_records", "gather_dequant", PERSISTENT_OP):
             start = len(results)
-            sweep_paged(op, names, log, results, args.requests)
+            sweep_paged(op, names, log, results, args.requests, programs)
             for row in results[start:]:
                 row["requests"] = args.requests
         elif op == "gather_slots":
