@@ -278,10 +278,12 @@ class PrefetchOrchestrator:
         """The gathered workspace u8[D * C, R] of `layer` for this step, current chunk included.
 
         cache: this layer's u8[D * num_blocks, block_size, R] (sharded) after the layer wrote its
-        chunk; kv_c / k_pe: the chunk (patched into a prefetched slot).  layer None: no lookahead.
-        The returned array is the ring slot itself: it stays valid until the slot is reused
-        (depth + 1 layers later, or the next step), when it is donated to the next gather and
-        JAX raises on any further use of it.  Every gather writes its rows straight into its slot.
+        chunk; kv_c / k_pe: the chunk (patched into a prefetched slot).  layer None: no lookahead;
+        the call gathers into slot 0 of the lane's ring, and a prefetch pending there is dropped
+        (that layer is prefetched again by a later call, or gathered when called).  The returned
+        array is the ring slot itself: it stays valid until the slot is reused (depth + 1 layers
+        later, or the next step), when it is donated to the next gather and JAX raises on any
+        further use of it.  Every gather writes its rows straight into its slot.
 
         The layer's own work (the patch or the gather) and the prefetches of later layers are one
         program, one dispatch (`dcp_step.layer_program`), unless `ready` or `after` is given.
@@ -317,6 +319,11 @@ class PrefetchOrchestrator:
             dcp_step.check_caches(self.fmt, cache, plan)
             if write:
                 self._check_chunk(kv_c, k_pe)
+            # it gathers into slot 0: a prefetch pending there is dropped (a later call prefetches
+            # that layer again, or it gathers when called), or that layer would patch this call's
+            # records
+            for t in [t for t, i in state.pending.items() if i == 0]:
+                del state.pending[t]
             ws = self._own_and_prefetches(state, 0, cache, kv_c, k_pe, (), after, ready, signal,
                                           cache if write else None, written)
             self.decisions.append((key, None, "sync", ()))

@@ -275,9 +275,11 @@ class TorchCkvAdapter:
         """This layer's gathered workspace u8[D * C, R] (rank-major rows, current chunk patched)
         as a torch view, after the layer wrote its chunk into `kv_cache` u8[num_blocks, block_size, R].
 
-        layer_idx None: no lookahead for this call.  after: an event or stream of cache writes
-        made on another torch stream than the current one.  The view is ordered for torch's
-        current stream; a reader on another stream waits for this one first.
+        layer_idx None: no lookahead for this call (it gathers into the lane's first ring slot;
+        a prefetch pending there is dropped, and its layer is prefetched again or gathered when
+        called).  after: an event or stream of cache writes made on another torch stream than
+        the current one.  The view is ordered for torch's current stream; a reader on another
+        stream waits for this one first.
         write_cache: the engine leaves this layer's cache write to this call, which writes the
         chunk (`set_current_chunk`'s latents) into `kv_cache` with ckv-jax's writer, through the
         step's slot mapping, before the gather; the written cache is ordered for torch's current

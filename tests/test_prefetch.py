@@ -228,6 +228,36 @@ def test_missing_layer_index_gathers_synchronously_and_lanes_keep_their_own_pend
     np.testing.assert_array_equal(got[keep], want[keep])
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_call_without_layer_index_drops_the_prefetch_pending_in_its_slot(depth):
+    """A no-index call gathers into slot 0 of its lane; after layer `upto` a later layer's
+    prefetch may be pending there: that layer must then be prefetched again or gathered when
+    called, not patch the no-index call's records.  Every layer stays exact wherever the call
+    comes."""
+    dropped = []
+    for upto in range(LAYERS - 1):
+        engine = Engine(2, "fp8_ds_mla", depth)
+        engine.step(*STEPS[0])
+        hist, q = STEPS[1]
+        plan, early = engine.step(hist, q, layers=range(upto + 1))
+        in_slot_0 = [t for t, i in engine.orch.lane("target").pending.items() if i == 0]
+        dropped += in_slot_0
+        kv, pe = engine.chunk(0, hist, q)
+        engine.orch.gather(None, engine.caches[0], kv, pe)       # its workspace dropped at once
+        assert not [t for t, i in engine.orch.lane("target").pending.items() if i == 0]
+        late = engine.run_layers(plan, hist, q, range(upto + 1, LAYERS))
+        for l, ws in enumerate(early + late):
+            want = dcp_scenario.expected_workspace(engine.layers[l], seq_lens=hist + q, plan=plan)
+            np.testing.assert_array_equal(ws, want, err_msg=f"depth {depth}, no-index call after layer {upto}, "
+                                                           f"layer {l}")
+        # the dropped layer is prefetched again by a later call, or gathered when called
+        after = engine.orch.decisions[engine.orch.decisions.index(("target", None, "sync", ())) + 1:]
+        for t in in_slot_0:
+            own = next(i for i, (_, layer, _, _) in enumerate(after) if layer == t)
+            assert after[own][2] == "sync" or any(t in targets for _, _, _, targets in after[:own]), after
+    assert dropped, "no call came while a prefetch was pending in slot 0"
+
+
 @pytest.mark.parametrize("d", [1, 4])
 def test_a_gather_writes_straight_into_its_ring_slot(d):
     """The orchestrator's compiled gather program never copies its slot, and with one rank not
