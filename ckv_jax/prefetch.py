@@ -206,6 +206,16 @@ class PrefetchOrchestrator:
         return layer is not None and state is not None and layer in state.pending and \
             (state.last_layer is None or layer > state.last_layer)
 
+    def drop_pending(self, layer: int, key: Hashable = "target"):
+        """Forget a prefetch of `layer` pending in this step, for a caller that knows the layer's
+        cache now lives in other memory than the one registered (an engine that reallocated its
+        caches): the prefetch read the old memory, so the layer gathers when it is called.  Every
+        rank must drop the same prefetches (engines reallocate in lockstep), or their collectives
+        would not match."""
+        state = self._lanes.get(key)
+        if state is not None:
+            state.pending.pop(layer, None)
+
     def in_flight(self) -> list:
         """The ring slots that prefetches of this step are writing and nobody has consumed yet
         (the torch bridge makes torch's stream wait for them before it frees their inputs)."""

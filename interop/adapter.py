@@ -417,6 +417,11 @@ class TorchCkvAdapter:
         held = self._caches.get(key)
         if held is not None and held[0] == kv_cache.data_ptr() and held[1] == tuple(kv_cache.shape):
             return held[2]
+        if held is not None:
+            # the engine reallocated this layer's cache: a prefetch of it read the old tensor, which
+            # stays alive until the step is drained (JAX may still be reading it)
+            self._keepalive.append(held[3])
+            self.orch.drop_pending(layer_idx, lane)
         if kv_cache.dim() != 3 or kv_cache.shape[2] != self.fmt.record_bytes:
             raise ValueError(f"kv_cache: expected uint8[num_blocks, block_size, {self.fmt.record_bytes}] for "
                              f"{self.fmt.name}, got {kv_cache.dtype}{list(kv_cache.shape)}")

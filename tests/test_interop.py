@@ -1,7 +1,9 @@
 """The torch bridge and the engine adapter with real torch tensors (CPU here, CUDA on a GPU)."""
+import gc
 import os
 import subprocess
 import sys
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +92,23 @@ def _adapter(depth, engine, **kw):
                                    min_world_size=1, **kw)
 
 
+def _adapter_step(adapter, engine, hist, q) -> list[str]:
+    """One step of every layer: the engine writes its chunk, the adapter gathers, and each
+    workspace must be the pure-JAX gather of the layer's cache now.  Returns the decisions."""
+    plan = engine.plan(hist, q, min_world_size=1)
+    assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table)
+    for layer in range(engine.layers):
+        kv, pe = engine.chunk(plan.num_tokens)
+        engine.write(layer, plan, kv, pe)
+        adapter.set_current_chunk(kv, pe)
+        ws = adapter.gather(layer, engine.caches[layer])
+        assert ws.dtype == torch.uint8 and ws.shape == (adapter.orch.memory.capacity, FP8.record_bytes)
+        got = ws[:adapter.rows].numpy().copy()
+        del ws                                        # a slot is reused depth + 1 layers later
+        np.testing.assert_array_equal(got, engine.gathered_now(engine.caches[layer], plan), err_msg=f"layer {layer}")
+    return [how for _, _, how, _ in adapter.orch.decisions]
+
+
 @pytest.mark.parametrize("depth", [0, 1, 2])
 def test_adapter_workspaces_equal_the_pure_jax_gather(depth):
     layers = 3
@@ -97,21 +116,29 @@ def test_adapter_workspaces_equal_the_pure_jax_gather(depth):
     adapter = _adapter(depth, engine)
     assert adapter.pool_bytes == interop.planned_pool_bytes(world_size=1, format="fp8_ds_mla", max_num_seqs=4,
                                                             config=adapter.config, block_size=16)
-    for hist, q in STEPS:
-        plan = engine.plan(hist, q, min_world_size=1)
-        assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table)
-        for layer in range(layers):
-            kv, pe = engine.chunk(plan.num_tokens)
-            engine.write(layer, plan, kv, pe)
-            adapter.set_current_chunk(kv, pe)
-            ws = adapter.gather(layer, engine.caches[layer])
-            assert ws.dtype == torch.uint8 and ws.shape == (adapter.orch.memory.capacity, FP8.record_bytes)
-            got = ws[:adapter.rows].numpy().copy()
-            del ws                                        # a slot is reused depth + 1 layers later
-            np.testing.assert_array_equal(got, engine.gathered_now(engine.caches[layer], plan))
-    kinds = [how for _, _, how, _ in adapter.orch.decisions]
+    kinds = [_adapter_step(adapter, engine, hist, q) for hist, q in STEPS][-1]
     # the last step: layer 0 is gathered when entered; with lookahead every later layer was prefetched
     assert kinds == ["sync"] + (["sync"] if depth == 0 else ["prefetched"]) * (layers - 1)
+    adapter.close()
+
+
+def test_caches_the_engine_reallocates_are_gathered_from_the_new_memory():
+    """An engine that reallocates its caches between steps (new tensors, other bytes): the
+    prefetches begun from the old tensors are dropped, every workspace is the gather of the new
+    cache, and the old tensors are released once the next step begins."""
+    layers = 3
+    engine = TorchEngine(1, 0, FP8, layers)
+    adapter = _adapter(2, engine)
+    for hist, q in STEPS:
+        _adapter_step(adapter, engine, hist, q)
+    gen = torch.Generator().manual_seed(7)
+    old = [weakref.ref(c) for c in engine.caches]
+    engine.caches = [torch.randint(0, 256, c.shape, dtype=torch.uint8, generator=gen) for c in engine.caches]
+    # layers 1 and 2 had prefetches from the old tensors
+    assert _adapter_step(adapter, engine, *STEPS[1]) == ["sync"] * layers
+    assert _adapter_step(adapter, engine, *STEPS[1]) == ["sync"] + ["prefetched"] * (layers - 1)
+    gc.collect()
+    assert not [r for r in old if r() is not None], "the adapter still holds a reallocated cache"
     adapter.close()
 
 

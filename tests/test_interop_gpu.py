@@ -100,11 +100,50 @@ def test_prefetch_stays_exact_while_torch_writes_and_churns(depth, ordering, str
             got.append(ws[:adapter.rows].clone())
             want.append(snapshot)
             del ws
-        torch_stream.synchronize()
-        for layer in range(layers):
-            np.testing.assert_array_equal(got[layer].cpu().numpy(), engine.gathered_now(want[layer], plan),
-                                          err_msg=f"depth {depth} {ordering} {stream} layer {layer}")
+        _assert_gathered(engine, plan, torch_stream, got, want, f"depth {depth} {ordering} {stream}")
     adapter.close()
+
+
+@pytest.mark.parametrize("stream", ["default", "side"])
+def test_caches_the_engine_reallocates_are_gathered_from_the_new_memory(stream):
+    """With the event ordering: the engine reallocates its caches after two rounds of steps (new
+    tensors, other bytes; the old ones dropped at once and torch's allocator churned): the
+    prefetches begun from the old tensors are dropped and every workspace is the gather of the
+    new cache."""
+    layers = 4
+    engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
+    adapter = _adapter(2, "cuda-events", layers)
+    torch_stream = torch.cuda.Stream() if stream == "side" else torch.cuda.default_stream()
+    steps = STEPS + STEPS + STEPS[-1:]
+    with torch.cuda.stream(torch_stream):
+        for i, (hist, q) in enumerate(steps):
+            if i == len(steps) - 1:
+                engine.caches = [torch.randint(0, 256, c.shape, dtype=torch.uint8, device="cuda")
+                                 for c in engine.caches]
+                for _ in range(16):                      # reuses the memory torch freed
+                    torch.empty(1 << 20, device="cuda").fill_(7)
+            plan = engine.plan(hist, q, min_world_size=1)
+            assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.table_host)
+            got, want = [], []
+            for layer in range(layers):
+                kv, pe = engine.chunk(plan.num_tokens)
+                engine.write(layer, plan, kv, pe)
+                want.append(engine.caches[layer].clone())
+                adapter.set_current_chunk(kv, pe)
+                ws = adapter.gather(layer, engine.caches[layer])
+                got.append(ws[:adapter.rows].clone())
+                del ws
+            _assert_gathered(engine, plan, torch_stream, got, want, f"step {i} {stream}")
+    assert [how for _, _, how, _ in adapter.orch.decisions] == ["sync"] * layers   # every prefetch dropped
+    adapter.close()
+
+
+def _assert_gathered(engine, plan, torch_stream, got, want, what: str):
+    """Once torch's stream is done: each layer's workspace got[l] is the pure-JAX gather of the
+    snapshot want[l] of its cache."""
+    torch_stream.synchronize()
+    for layer, (ws, cache) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(ws.cpu().numpy(), engine.gathered_now(cache, plan), err_msg=f"{what} layer {layer}")
 
 
 def _two_rounds_of_steps(engine, stream):
@@ -150,10 +189,7 @@ def test_latents_marked_before_the_cache_write_keep_every_order(depth, stream, s
             previous = adapter.gather(layer, engine.caches[layer])
         got.append(previous[:adapter.rows].clone())
         del previous
-        torch_stream.synchronize()
-        for layer in range(layers):
-            np.testing.assert_array_equal(got[layer].cpu().numpy(), engine.gathered_now(want[layer], plan),
-                                          err_msg=f"depth {depth} {stream} {signal} layer {layer}")
+        _assert_gathered(engine, plan, torch_stream, got, want, f"depth {depth} {stream} {signal}")
     if depth:
         assert {how for _, _, how, _ in adapter.orch.decisions[1:]} == {"prefetched"}
     adapter.close()
