@@ -162,6 +162,7 @@ def sweep_paged(op, names, log, results, num_requests=1, persistent_programs=())
         configs = [dataclasses.replace(t, programs=p) for p in persistent_programs for t in PERSISTENT_TILES]
     else:
         configs = DEQUANT_CONFIGS if op == "gather_dequant" else GATHER_CONFIGS
+    records = op != "gather_dequant"           # raw records out (both gathers of records)
     for tokens in SIZES[op]:
         for name in names:
             fmt = formats.get(name)
@@ -171,7 +172,6 @@ def sweep_paged(op, names, log, results, num_requests=1, persistent_programs=())
             rng = np.random.default_rng(tokens)
             cache_np = _record_cache(fmt, nb, rng)
             cache = jax.device_put(cache_np, device)
-            records = op != "gather_dequant"
             out_bytes = tokens * (rb if records else 2 * fmt.value_dim)
             steps = [request_tables(rng, nb, tokens, num_requests) for _ in range(repeats_for(out_bytes))]
             inputs = [(cache, jnp.asarray(table), jnp.asarray(cu)) for table, cu, _ in steps]
