@@ -161,18 +161,36 @@ def check_chunk(fmt: formats.RecordFormat, kv_c, k_pe, plan: StepPlan, rows: int
 
 
 def bounded_pack_tiles(programs: int) -> paged_gather.GatherTiles:
-    """The pack's tiles with a bounded SM footprint: `programs` persistent programs (e.g. one per
-    two SMs, `device.core_count // 2`), each moving 64-record tiles.  A full grid keeps every SM
-    busy until the gather ends, so kernels another stream launches meanwhile wait for it; a
-    bounded grid leaves the other SMs to them.  Measured on the H200 (BENCHMARKS.md, "Torch
-    adapter overlap"): that hides a prefetch under compute that leaves SMs idle, but slows compute
-    that fills every SM (matmuls) by more than it hides, where the full grid does better; so the
-    full grid is the default and a bounded one the caller's choice (`prefetch_programs`).  A
-    program copies one tile at a time; `python tools/tune.py --ops gather_records_persistent`
-    times larger tiles, which hold more bytes in flight per program."""
+    """The pack's tiles with a bounded SM footprint: `programs` persistent programs, each moving
+    128-record tiles with 16 warps.  A full grid keeps every SM busy until the gather ends, so
+    kernels another stream launches meanwhile wait for it; a bounded grid leaves the other SMs to
+    them.  A program copies one tile at a time, so its bytes in flight bound its rate: 128 records
+    by 16 warps was the fastest tile of `python tools/tune.py --ops gather_records_persistent` at
+    33 and 66 programs (H100: 1.5x the rate of 64 records by 8 warps at 33 programs, 1.2x at 66)."""
     if isinstance(programs, bool) or not isinstance(programs, int) or programs <= 0:
         raise ValueError(f"programs: expected a positive number of persistent programs, got {programs!r}")
-    return paged_gather.GatherTiles(rows_per_tile=64, num_warps=8, programs=programs)
+    return paged_gather.GatherTiles(rows_per_tile=128, num_warps=16, programs=programs)
+
+
+def default_prefetch_programs(device: jax.Device) -> int:
+    """A prefetch's persistent programs when its caller names none: half the SMs of a GPU (0, the
+    full grid, elsewhere).  Measured on an H100 (BENCHMARKS.md, "The prefetch's pack on half the
+    SMs"): beside compute that leaves SMs idle the half-grid pack hides 89-98% of the gather where
+    the full grid hides 13-27%, and beside matmuls that fill every SM it hides about as much as the
+    full grid (the rows' spread is wider than their difference)."""
+    cores = getattr(device, "core_count", 0) or 0
+    return max(1, cores // 2) if device.platform == "gpu" and cores else 0
+
+
+def prefetch_pack_tiles(programs: int | None, device: jax.Device) -> paged_gather.GatherTiles | None:
+    """The tiles of a prefetch's pack: `programs` None picks `default_prefetch_programs(device)`,
+    0 is the full grid of a synchronous gather (None tiles), n > 0 is n persistent programs."""
+    if programs is None:
+        programs = default_prefetch_programs(device)
+    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 0:
+        raise ValueError(f"prefetch_programs: expected None, 0 (the full grid) or a positive number of "
+                         f"persistent programs, got {programs!r}")
+    return bounded_pack_tiles(programs) if programs else None
 
 
 def static_implementation(implementation):

@@ -141,7 +141,10 @@ class RegisteredLayers(Sequence):
 
 
 class PrefetchOrchestrator:
-    """Depth-N prefetch for per-layer callers; see the module docstring."""
+    """Depth-N prefetch for per-layer callers; see the module docstring.  `prefetch_programs`: the
+    persistent programs of a prefetch's pack: None for half the GPU's SMs
+    (`dcp_step.default_prefetch_programs`), 0 for the full grid of a synchronous gather, n > 0 for
+    n (`dcp_step.bounded_pack_tiles`)."""
 
     def __init__(self, mesh: jax.sharding.Mesh, layout: DcpLayout, format: str | formats.RecordFormat, *,
                  max_num_seqs: int, config: GatherConfig = GatherConfig(), ubatches: int = 1,
@@ -160,8 +163,7 @@ class PrefetchOrchestrator:
         if self.memory.depth and not self.depth:
             log.debug("format %s has no lookahead; gathering synchronously", self.fmt.name)
         self.pool = pool_type(mesh, self.memory, layout.world_size, self.fmt.record_bytes, **(pool_args or {}))
-        # prefetches pack with the full grid of a synchronous gather unless given a bounded one
-        self.prefetch_tiles = dcp_step.bounded_pack_tiles(prefetch_programs) if prefetch_programs else None
+        self.prefetch_tiles = dcp_step.prefetch_pack_tiles(prefetch_programs, placement.mesh_device(mesh))
         self.implementation = dcp_step.static_implementation(implementation)
         self.interpret = interpret
         self._lanes: dict[Hashable, LaneState] = {}

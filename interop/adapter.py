@@ -107,11 +107,10 @@ class TorchWorkspacePool(WorkspacePool):
 class TorchCkvAdapter:
     """See the module docstring.  `min_world_size=1` runs the full path with D = 1 (tests and
     single-GPU benchmarks); serving leaves it at 2.  `ordering` forces a protocol ("dlpack"),
-    None picks "cuda-events" where it is available.  `prefetch_programs`: None or 0 packs a
-    prefetch with the full grid of a synchronous gather (best beside compute that fills every SM);
-    n > 0 with n persistent programs (`ckv_jax.dcp_step.bounded_pack_tiles`; about half the SMs is best
-    beside compute that leaves SMs idle).  `native_signal=False` keeps the cuda-events ordering's
-    in-program signal a Python callback instead of the native custom call (to compare them)."""
+    None picks "cuda-events" where it is available.  `prefetch_programs`: the persistent
+    programs of a prefetch's pack (`PrefetchOrchestrator`'s).  `native_signal=False` keeps the
+    cuda-events ordering's in-program signal a Python callback instead of the native custom call
+    (to compare them)."""
 
     def __init__(self, *, world_size: int, format: str, max_num_seqs: int, config: GatherConfig,
                  interleave: int = 1, block_size: int = 64, mesh: jax.sharding.Mesh | None = None,

@@ -479,7 +479,8 @@ def main(argv=None) -> int:
                     help=f"torch streams, of {', '.join(STREAMS)} (default %(default)s)")
     ap.add_argument("--trials", type=int, default=5, help="timed steps per row (default %(default)s)")
     ap.add_argument("--prefetch-programs", type=int, default=None,
-                    help="persistent programs of a prefetch's pack (default: the full grid)")
+                    help="persistent programs of a prefetch's pack, 0 the full grid "
+                         "(default: the adapter's, half the SMs)")
     ap.add_argument("--pack-programs", type=_ints, default=[33, 66, 132],
                     help="persistent grids whose standalone pack bandwidth is measured (default %(default)s)")
     ap.add_argument("--latents", choices=["in-place", "copied"], default="in-place",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import interop
-from ckv_jax import formats, placement
+from ckv_jax import dcp_step, formats, placement
 from ckv_jax.prefetch_config import GatherConfig
 from helpers import copies_of_at_least
 from interop import torch_records
@@ -69,6 +69,21 @@ def _adapter(depth, ordering=None, layers=6, native_signal=True):
                                    config=GatherConfig(enabled=True, depth=depth, workspace_mib=0, min_tokens=1,
                                                        max_tokens=512), min_world_size=1, ordering=ordering,
                                    native_signal=native_signal)
+
+
+def test_a_prefetch_packs_on_half_the_sms_unless_told_otherwise():
+    """The default footprint of a prefetch's pack (every test here runs with it): half the SMs,
+    the bounded tiles; 0 the full grid."""
+    sms = jax.devices()[0].core_count
+    assert sms > 0
+    default = _adapter(2)
+    full = interop.TorchCkvAdapter(world_size=1, format="fp8_ds_mla", max_num_seqs=4, block_size=16,
+                                   config=GatherConfig(enabled=True, depth=2, workspace_mib=0, min_tokens=1,
+                                                       max_tokens=512), min_world_size=1, prefetch_programs=0)
+    assert default.orch.prefetch_tiles == dcp_step.bounded_pack_tiles(sms // 2)
+    assert full.orch.prefetch_tiles is None
+    default.close()
+    full.close()
 
 
 @pytest.mark.parametrize("depth, ordering", [(d, "cuda-events") for d in range(4)] + [(0, "dlpack"), (2, "dlpack")])
@@ -134,7 +149,8 @@ def test_caches_the_engine_reallocates_are_gathered_from_the_new_memory(stream):
                 got.append(ws[:adapter.rows].clone())
                 del ws
             _assert_gathered(engine, plan, torch_stream, got, want, f"step {i} {stream}")
-    assert [how for _, _, how, _ in adapter.orch.decisions] == ["sync"] * layers   # every prefetch dropped
+    # the prefetches begun from the old tensors (at begin_step) were all dropped
+    assert [how for _, _, how, _ in adapter.orch.decisions] == ["begin_step"] + ["sync"] * layers
     adapter.close()
 
 

@@ -294,6 +294,16 @@ def test_a_bounded_prefetch_pack_gives_the_same_bytes():
         dcp_step.bounded_pack_tiles(-1)
 
 
+def test_the_default_prefetch_pack_is_the_full_grid_off_a_gpu_and_bad_footprints_are_named():
+    """None bounds a prefetch's pack to half of a GPU's SMs (test_interop_gpu.py checks it on
+    one); on the CPU there are no SMs to leave free, so it is the full grid, as 0 always is."""
+    assert Engine(1, "fp8_ds_mla", 1).orch.prefetch_tiles is None
+    assert Engine(1, "fp8_ds_mla", 1, prefetch_programs=0).orch.prefetch_tiles is None
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=rf"prefetch_programs: expected None, 0 .*, got {bad!r}"):
+            Engine(1, "fp8_ds_mla", 1, prefetch_programs=bad)
+
+
 class CountingSignal:
     """A layer-program signal that records the stream handle of every call."""
 

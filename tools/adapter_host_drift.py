@@ -162,7 +162,7 @@ def main(argv=None) -> int:
         print("adapter_host_drift needs torch and JAX on a CUDA GPU", file=sys.stderr)
         return 2
     work = bench.Workload(args.history, 4096, 8)
-    adapter = work.adapter(args.depth, args.prefetch_programs or None)
+    adapter = work.adapter(args.depth, args.prefetch_programs)
     timed = TimedLayerProgram()
     dcp_step.layer_program = timed
     print(f"history {args.history}, depth {args.depth}, prefetch programs {args.prefetch_programs}, "

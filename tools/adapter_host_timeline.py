@@ -235,7 +235,7 @@ def sampled(args) -> int:
     child = [sys.executable, os.path.abspath(__file__), "--loop-only", str(args.sampled), "--history",
              str(args.history), "--depth", str(args.depth), "--cache-write", args.cache_write,
              "--compute-ms", str(args.compute_ms)]
-    if args.prefetch_programs:
+    if args.prefetch_programs is not None:
         child += ["--prefetch-programs", str(args.prefetch_programs)]
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "raw.txt")
@@ -254,7 +254,8 @@ def main(argv=None) -> int:
     ap.add_argument("--history", type=int, default=1 << 20, help="history tokens (default %(default)s)")
     ap.add_argument("--depth", type=int, default=2, help="prefetch depth (default %(default)s)")
     ap.add_argument("--prefetch-programs", type=int, default=None,
-                    help="persistent programs of a prefetch's pack (default: the full grid)")
+                    help="persistent programs of a prefetch's pack, 0 the full grid "
+                         "(default: the adapter's, half the SMs)")
     ap.add_argument("--python", action="store_true",
                     help="cProfile the layer calls' Python instead of tracing with JAX's profiler")
     ap.add_argument("--rounds", type=int, default=0,

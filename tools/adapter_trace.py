@@ -236,7 +236,8 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default="", help="title of the picture")
     ap.add_argument("--stream", default="side", help="torch's stream: default, side or priority (default %(default)s)")
     ap.add_argument("--prefetch-programs", type=int, default=None,
-                    help="persistent programs of a prefetch's pack (default: the adapter's)")
+                    help="persistent programs of a prefetch's pack, 0 the full grid "
+                         "(default: the adapter's, half the SMs)")
     ap.add_argument("--compute-alone", action="store_true",
                     help="also trace the step without the adapter (compute, the engine's cache writes, the consumer)")
     ap.add_argument("--cache-write", choices=["engine", "adapter"], default="engine",
@@ -293,7 +294,8 @@ def main(argv=None) -> int:
         label = f"depth {depth} ({ordering}): {len(ks)} GPU activities"
         panels[label], listing[f"depth{depth}"], modes[label] = ks, ks, args.cache_write
         adapter.close()
-    packs = "full-grid" if args.prefetch_programs is None else f"{args.prefetch_programs}-program"
+    packs = {None: "the adapter's default", 0: "full-grid"}.get(args.prefetch_programs,
+                                                                 f"{args.prefetch_programs}-program")
     title = args.label or (f"{args.layers} layers, {args.history} history + {args.chunk} chunk tokens, "
                            f"{args.compute} {args.compute_ms} ms/layer on torch's {args.stream} stream, "
                            f"{packs} prefetch packs, latents {args.latents}, marked {args.mark}, "

@@ -22,8 +22,8 @@ instead, each config's time averaged over the sweeps that ran it.
 `gather_records_persistent` is the prefetch's pack with a bounded SM footprint
 (`ckv_jax.dcp_step.bounded_pack_tiles`): every candidate tile at every program count, beside the
 synchronous gather as `gather_records` selects it (a full grid; a baseline row).  The footprint
-is the caller's choice (`prefetch_programs`), so these rows inform the bounded pack's tiles and
-add nothing to the table.
+is `prefetch_programs` (half the SMs unless the caller names another), so these rows inform the
+bounded pack's tiles and add nothing to the table.
 """
 from __future__ import annotations
 
