@@ -191,7 +191,7 @@ def test_sweep_table_rows_pick_the_fastest_exact_non_baseline_over_both_formats(
 
 
 def test_sweep_table_rows_leave_out_the_persistent_pack():
-    """The persistent pack's rows (its footprint is the caller's choice, `prefetch_programs`) add
+    """The persistent pack's rows (its footprint is `prefetch_programs`, not a table entry) add
     no table entry, however fast."""
     full = {"rows_per_tile": 8, "num_warps": 4, "programs": 0}
     bounded = {"rows_per_tile": 256, "num_warps": 16, "programs": 33}
@@ -203,13 +203,14 @@ def test_sweep_table_rows_leave_out_the_persistent_pack():
 
 
 def test_the_persistent_candidates_are_valid_bounded_tiles():
-    """Each candidate tile becomes a persistent config at any program count, and the sweep's
-    sizes cover the torch adapter bench's two histories."""
-    for tiles in tune.PERSISTENT_TILES:
-        assert tiles.programs == 0
-        assert dataclasses.replace(tiles, programs=33).programs == 33
+    """Each candidate is a persistent config at any program count, and the sweep's sizes cover
+    the torch adapter bench's two histories."""
+    configs = tune.persistent_configs(33)
+    assert len(configs) == len(set(configs)) == len(tune.PERSISTENT_CANDIDATES)
+    assert all(c.programs == 33 for c in configs)
+    assert {c.tiles_in_flight for c in configs} == {1, 2}
     # the prefetch's tiles now are among them, as the baseline of the others
-    assert dataclasses.replace(dcp_step.bounded_pack_tiles(33), programs=0) in tune.PERSISTENT_TILES
+    assert dcp_step.bounded_pack_tiles(33) in configs
     assert tune.SIZES[tune.PERSISTENT_OP] == (262144, 1048576)
 
 

@@ -57,12 +57,22 @@ GATHER_CONFIGS = [GatherTiles(t, w) for t, w in [(4, 2), (4, 4), (8, 2), (8, 4),
 DEQUANT_CONFIGS = [GatherTiles(t, w) for t, w in [(4, 4), (8, 2), (8, 4), (16, 8)]]
 SLOT_CONFIGS = [GatherTiles(t, w) for t, w in [(4, 2), (8, 2), (8, 4), (16, 8), (32, 8)]]
 WRITER_CONFIGS = [WriterTiles(t, w) for t, w in [(4, 2), (4, 4), (8, 2), (8, 4)]]
-# the persistent pack's candidates, by the bytes one program holds in flight (rows x R): a program
-# copies one tile at a time, so a tile of 64 fp8 records (42 KB, the current tiles) caps it near
-# one tile per memory latency (about 40 GB/s a program on the H200: 33 programs at 1.4 TB/s,
-# BENCHMARKS.md "the bounded pack's price"); larger tiles may let fewer SMs move the same bytes
+# the persistent pack's candidates (records per tile, warps, tiles in flight), by the bytes one
+# program holds in flight: with one tile in flight a program waits for each tile's loads before
+# its stores and the next loads, so its rate is about its tile per memory latency (64 fp8 records,
+# 42 KB: about 40 GB/s a program on the H200, BENCHMARKS.md "the bounded pack's price"); larger
+# tiles, more warps, or the next tile's loads issued before the current stores hold more
 PERSISTENT_OP = "gather_records_persistent"
-PERSISTENT_TILES = [GatherTiles(t, w) for t, w in [(32, 4), (64, 8), (128, 8), (128, 16), (256, 16)]]
+PERSISTENT_CANDIDATES = [(32, 4, 1), (64, 8, 1), (128, 8, 1), (128, 16, 1), (256, 16, 1), (256, 32, 1),
+                         (64, 8, 2), (128, 8, 2), (128, 16, 2), (256, 16, 2)]
+
+
+def persistent_configs(programs: int) -> list[GatherTiles]:
+    """Every persistent candidate at `programs` programs."""
+    return [GatherTiles(rows, warps, programs=programs, tiles_in_flight=flight)
+            for rows, warps, flight in PERSISTENT_CANDIDATES]
+
+
 # tokens per op: from a 21 MB pack, a 64K-token shard and decode-sized slot lists up to working
 # sets far above the 60 MB L2 (524,288 fp8 records are the 344 MB pack of the goals; 131,072
 # written tokens are the patch of `ckv-jax bench`)
@@ -159,7 +169,7 @@ def sweep_paged(op, names, log, results, num_requests=1, persistent_programs=())
     `persistent_programs`."""
     device = jax.devices()[0]
     if op == PERSISTENT_OP:                    # every candidate tile at every program count
-        configs = [dataclasses.replace(t, programs=p) for p in persistent_programs for t in PERSISTENT_TILES]
+        configs = [c for p in persistent_programs for c in persistent_configs(p)]
     else:
         configs = DEQUANT_CONFIGS if op == "gather_dequant" else GATHER_CONFIGS
     records = op != "gather_dequant"           # raw records out (both gathers of records)
