@@ -64,11 +64,11 @@ def test_every_entry_raises_under_graph_capture():
     assert x.sum().item() == 16
 
 
-def _adapter(depth, ordering=None, layers=6, native_signal=True):
+def _adapter(depth, ordering=None, layers=6, native_signal=True, prefetch_programs=None):
     return interop.TorchCkvAdapter(world_size=1, format="fp8_ds_mla", max_num_seqs=4, block_size=16,
                                    config=GatherConfig(enabled=True, depth=depth, workspace_mib=0, min_tokens=1,
                                                        max_tokens=512), min_world_size=1, ordering=ordering,
-                                   native_signal=native_signal)
+                                   native_signal=native_signal, prefetch_programs=prefetch_programs)
 
 
 def test_a_prefetch_packs_on_half_the_sms_unless_told_otherwise():
@@ -77,9 +77,7 @@ def test_a_prefetch_packs_on_half_the_sms_unless_told_otherwise():
     sms = jax.devices()[0].core_count
     assert sms > 0
     default = _adapter(2)
-    full = interop.TorchCkvAdapter(world_size=1, format="fp8_ds_mla", max_num_seqs=4, block_size=16,
-                                   config=GatherConfig(enabled=True, depth=2, workspace_mib=0, min_tokens=1,
-                                                       max_tokens=512), min_world_size=1, prefetch_programs=0)
+    full = _adapter(2, prefetch_programs=0)
     assert default.orch.prefetch_tiles == dcp_step.bounded_pack_tiles(sms // 2)
     assert full.orch.prefetch_tiles is None
     default.close()

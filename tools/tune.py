@@ -385,8 +385,8 @@ def table_rows(results):
     is the device time where every candidate of the size has one, else the host-clock time.
     Paged gathers count with one request (the size's bytes as one pack)."""
     rows = {}
-    # a sweep of several requests adds no rows, nor does the persistent pack (its footprint is the
-    # caller's choice, not a size's winner)
+    # a sweep of several requests adds no rows, nor does the persistent pack (its footprint is
+    # `prefetch_programs`, not a size's winner)
     results = [r for r in results if r.get("requests", 1) == 1 and r["op"] != PERSISTENT_OP]
     for op in sorted({r["op"] for r in results}):
         sizes = sorted({r["size"] for r in results if r["op"] == op})
