@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -160,16 +161,27 @@ def check_chunk(fmt: formats.RecordFormat, kv_c, k_pe, plan: StepPlan, rows: int
         raise ValueError(f"kv_c: expected [{want}, {fmt.nope_dim}] ({what}), got {validation.describe(kv_c)}")
 
 
+# The bounded pack's candidate tiles (records, warps) and the records its whole grid should hold
+# in flight: the persistent sweep's fastest tile at 66 programs (128 by 16) and at 33 (256 by 32)
+# both hold about 8K records (5.4 MB of fp8 records) over the grid.
+PACK_TILES = ((128, 16), (256, 32))
+PACK_RECORDS_IN_FLIGHT = 8192
+
+
 def bounded_pack_tiles(programs: int) -> paged_gather.GatherTiles:
     """The pack's tiles with a bounded SM footprint: `programs` persistent programs, each moving
-    128-record tiles with 16 warps.  A full grid keeps every SM busy until the gather ends, so
-    kernels another stream launches meanwhile wait for it; a bounded grid leaves the other SMs to
-    them.  A program copies one tile at a time, so its bytes in flight bound its rate: 128 records
-    by 16 warps was the fastest tile of `python tools/tune.py --ops gather_records_persistent` at
-    33 and 66 programs (H100: 1.5x the rate of 64 records by 8 warps at 33 programs, 1.2x at 66)."""
+    one tile at a time.  A full grid keeps every SM busy until the gather ends, so kernels another
+    stream launches meanwhile wait for it; a bounded grid leaves the other SMs to them.
+
+    A program's rate is about its tile per memory latency, so fewer programs need larger tiles:
+    the tile of `PACK_TILES` whose grid holds nearer `PACK_RECORDS_IN_FLIGHT` records (128 records
+    by 16 warps from 46 programs up, 256 by 32 below).  `python tools/tune.py --ops
+    gather_records_persistent --persistent-programs 33,66` (H100, 1M fp8 records, device
+    timeline): at 66 programs 553 us (256 by 32: 630), at 33 programs 638 us (128 by 16: 721)."""
     if isinstance(programs, bool) or not isinstance(programs, int) or programs <= 0:
         raise ValueError(f"programs: expected a positive number of persistent programs, got {programs!r}")
-    return paged_gather.GatherTiles(rows_per_tile=128, num_warps=16, programs=programs)
+    rows, warps = min(PACK_TILES, key=lambda tile: abs(math.log2(programs * tile[0] / PACK_RECORDS_IN_FLIGHT)))
+    return paged_gather.GatherTiles(rows_per_tile=rows, num_warps=warps, programs=programs)
 
 
 def default_prefetch_programs(device: jax.Device) -> int:

@@ -64,7 +64,7 @@ def test_every_entry_raises_under_graph_capture():
     assert x.sum().item() == 16
 
 
-def _adapter(depth, ordering=None, layers=6, native_signal=True, prefetch_programs=None):
+def _adapter(depth, ordering=None, native_signal=True, prefetch_programs=None):
     return interop.TorchCkvAdapter(world_size=1, format="fp8_ds_mla", max_num_seqs=4, block_size=16,
                                    config=GatherConfig(enabled=True, depth=depth, workspace_mib=0, min_tokens=1,
                                                        max_tokens=512), min_world_size=1, ordering=ordering,
@@ -91,7 +91,7 @@ def test_prefetch_stays_exact_while_torch_writes_and_churns(depth, ordering, str
     and churns its allocator; JAX's gathers, prefetches and slot reuses must still order right."""
     layers = 6
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
-    adapter = _adapter(depth, ordering, layers)
+    adapter = _adapter(depth, ordering)
     assert adapter.ordering == ordering
     a = torch.randn(4096, 4096, device="cuda")
     for torch_stream, plan, hist, q in _two_rounds_of_steps(engine, stream):
@@ -125,7 +125,7 @@ def test_caches_the_engine_reallocates_are_gathered_from_the_new_memory(stream):
     new cache."""
     layers = 4
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
-    adapter = _adapter(2, "cuda-events", layers)
+    adapter = _adapter(2, "cuda-events")
     torch_stream = torch.cuda.Stream() if stream == "side" else torch.cuda.default_stream()
     steps = STEPS + STEPS + STEPS[-1:]
     with torch.cuda.stream(torch_stream):
@@ -181,7 +181,7 @@ def test_latents_marked_before_the_cache_write_keep_every_order(depth, stream, s
     the read: every workspace read stays exact, with the native signal and the Python one."""
     layers = 5
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
-    adapter = _adapter(depth, layers=layers, native_signal=signal == "native")
+    adapter = _adapter(depth, native_signal=signal == "native")
     assert adapter.events.signal.native == (signal == "native")
     a = torch.randn(4096, 4096, device="cuda")
     for torch_stream, plan, hist, q in _two_rounds_of_steps(engine, stream):
@@ -220,7 +220,7 @@ def test_the_adapter_writes_the_cache_in_place_in_every_order(depth, stream):
     layers = 4
     ours = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
     theirs = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
-    adapter = _adapter(depth, layers=layers)
+    adapter = _adapter(depth)
     pointers = [c.data_ptr() for c in ours.caches]
     a = torch.randn(4096, 4096, device="cuda")
     small = (STEPS[0][0], np.array([2, 2, 2]))       # buffers of 64 rows after the first steps: 6 tokens in them
@@ -265,7 +265,7 @@ def test_a_cache_write_that_misses_the_torch_cache_is_an_error(monkeypatch):
     """The adapter proves the cache write landed in torch's memory: a written cache that is a
     copy (here made so) raises instead of being bound."""
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), 1, device="cuda")
-    adapter = _adapter(0, layers=1)
+    adapter = _adapter(0)
     hist, q = STEPS[0]
     plan = engine.plan(hist, q, min_world_size=1)
     assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu())
@@ -485,7 +485,7 @@ def test_no_host_synchronization_in_the_layer_loop(write_cache):
     cache written by torch or by the adapter."""
     layers = 6
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
-    adapter = _adapter(2, layers=layers)
+    adapter = _adapter(2)
     hist, q = STEPS[0]
     plan = engine.plan(hist, q, min_world_size=1)
     slots = torch.tensor(engine.layout.slot_mapping(plan.positions(), plan.req_id_per_token, engine.table_host, 0),

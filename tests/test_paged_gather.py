@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ckv_jax import formats
+from ckv_jax import dcp_step, formats
 from helpers import FLUSHES_SUBNORMALS, assert_bf16_bits_equal, nvfp4_every_code_and_scale, random_kv
 from pallas_kernels import paged_gather
 from pallas_kernels.paged_gather import pallas_triton
@@ -191,17 +191,13 @@ def test_gather_configs_match_numpy_model(name, config, kernel_mode):
 # the persistent pack (`programs` > 0, the prefetch's bounded footprint): several tiles per
 # program with the last round past the end, tiles over fewer programs than tiles, one tile larger
 # than every row with programs that get none (the sweep's largest candidate), the prefetch's tiles
-# as one program; with one tile in flight and with two (the next tile's loads before the stores)
+# as one program (both of `dcp_step.bounded_pack_tiles`' tiles)
 PERSISTENT_CONFIGS = [pallas_triton.GatherTiles(8, 2, 512, programs=2), pallas_triton.GatherTiles(16, 4, 128, programs=3),
                       pallas_triton.GatherTiles(256, 16, 512, programs=3), pallas_triton.GatherTiles(128, 16, programs=1),
-                      pallas_triton.GatherTiles(8, 2, 512, programs=2, tiles_in_flight=2),
-                      pallas_triton.GatherTiles(16, 4, 128, programs=3, tiles_in_flight=2),
-                      pallas_triton.GatherTiles(256, 16, 512, programs=3, tiles_in_flight=2),
-                      pallas_triton.GatherTiles(128, 16, programs=1, tiles_in_flight=2)]
+                      pallas_triton.GatherTiles(256, 32, programs=1)]
 
 
-@pytest.mark.parametrize("config", PERSISTENT_CONFIGS,
-                         ids=lambda c: f"tile{c.rows_per_tile}_w{c.num_warps}_programs{c.programs}_x{c.tiles_in_flight}")
+@pytest.mark.parametrize("config", PERSISTENT_CONFIGS, ids=lambda c: f"tile{c.rows_per_tile}_w{c.num_warps}_programs{c.programs}")
 @pytest.mark.parametrize("name", NAMES)
 def test_persistent_gather_configs_match_numpy_model(name, config, kernel_mode):
     fmt, cache, table, cu, rows = _case(name, seed=5)
@@ -283,10 +279,11 @@ def test_gathers_lower_for_cuda(name, config, num_reqs):
 
 
 @pytest.mark.parametrize("num_reqs", [1, 8])
-@pytest.mark.parametrize("tiles_in_flight", [1, 2])
-def test_the_persistent_pack_lowers_for_cuda(tiles_in_flight, num_reqs):
-    """The prefetch's pack as it runs: persistent programs writing into a donated slot."""
-    config = pallas_triton.GatherTiles(128, 16, programs=66, tiles_in_flight=tiles_in_flight)
+@pytest.mark.parametrize("programs", [33, 66])
+def test_the_persistent_pack_lowers_for_cuda(programs, num_reqs):
+    """The prefetch's pack as it runs: persistent programs writing into a donated slot, with
+    each of `bounded_pack_tiles`' tiles."""
+    config = dcp_step.bounded_pack_tiles(programs)
     sds = jax.ShapeDtypeStruct
     args = (sds((5000, 64, 656), jnp.uint8), sds((num_reqs, 600), jnp.int32), sds((num_reqs + 1,), jnp.int32),
             sds((40000, 656), jnp.uint8))
@@ -300,14 +297,6 @@ def test_the_persistent_pack_lowers_for_cuda(tiles_in_flight, num_reqs):
 def test_gather_config_rejects_non_powers_of_two(field):
     with pytest.raises(ValueError, match=field):
         pallas_triton.GatherTiles(**{field: 48})
-
-
-def test_gather_config_names_a_bad_tiles_in_flight():
-    for bad in (0, 3, True):
-        with pytest.raises(ValueError, match=f"tiles_in_flight: expected 1 or 2, got {bad!r}"):
-            pallas_triton.GatherTiles(programs=4, tiles_in_flight=bad)
-    with pytest.raises(ValueError, match="tiles_in_flight: 2 needs persistent programs"):
-        pallas_triton.GatherTiles(tiles_in_flight=2)
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 16])

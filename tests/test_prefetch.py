@@ -294,6 +294,15 @@ def test_a_bounded_prefetch_pack_gives_the_same_bytes():
         dcp_step.bounded_pack_tiles(-1)
 
 
+def test_a_bounded_pack_takes_larger_tiles_on_fewer_programs():
+    """A program moves about its tile per memory latency, so a smaller grid takes the larger
+    tile: the sweep's fastest at 33 and at 66 programs, switching between them (45 -> 46)."""
+    tiles = {p: dcp_step.bounded_pack_tiles(p) for p in (1, 33, 45, 46, 66, 132)}
+    assert {p: (t.rows_per_tile, t.num_warps) for p, t in tiles.items()} == {
+        1: (256, 32), 33: (256, 32), 45: (256, 32), 46: (128, 16), 66: (128, 16), 132: (128, 16)}
+    assert all(t.programs == p for p, t in tiles.items())
+
+
 def test_the_default_prefetch_pack_is_the_full_grid_off_a_gpu_and_bad_footprints_are_named():
     """None bounds a prefetch's pack to half of a GPU's SMs (test_interop_gpu.py checks it on
     one); on the CPU there are no SMs to leave free, so it is the full grid, as 0 always is."""

@@ -57,20 +57,17 @@ GATHER_CONFIGS = [GatherTiles(t, w) for t, w in [(4, 2), (4, 4), (8, 2), (8, 4),
 DEQUANT_CONFIGS = [GatherTiles(t, w) for t, w in [(4, 4), (8, 2), (8, 4), (16, 8)]]
 SLOT_CONFIGS = [GatherTiles(t, w) for t, w in [(4, 2), (8, 2), (8, 4), (16, 8), (32, 8)]]
 WRITER_CONFIGS = [WriterTiles(t, w) for t, w in [(4, 2), (4, 4), (8, 2), (8, 4)]]
-# the persistent pack's candidates (records per tile, warps, tiles in flight), by the bytes one
-# program holds in flight: with one tile in flight a program waits for each tile's loads before
-# its stores and the next loads, so its rate is about its tile per memory latency (64 fp8 records,
-# 42 KB: about 40 GB/s a program on the H200, BENCHMARKS.md "the bounded pack's price"); larger
-# tiles, more warps, or the next tile's loads issued before the current stores hold more
+# the persistent pack's candidates (records per tile, warps), by the bytes one program holds in
+# flight: a program waits for each tile's loads before its stores and the next loads, so its rate
+# is about its tile per memory latency (64 fp8 records, 42 KB: about 40 GB/s a program on the
+# H200, BENCHMARKS.md "the bounded pack's price"); larger tiles with more warps hold more
 PERSISTENT_OP = "gather_records_persistent"
-PERSISTENT_CANDIDATES = [(32, 4, 1), (64, 8, 1), (128, 8, 1), (128, 16, 1), (256, 16, 1), (256, 32, 1),
-                         (64, 8, 2), (128, 8, 2), (128, 16, 2), (256, 16, 2)]
+PERSISTENT_CANDIDATES = [(32, 4), (64, 8), (128, 8), (128, 16), (256, 16), (256, 32)]
 
 
 def persistent_configs(programs: int) -> list[GatherTiles]:
     """Every persistent candidate at `programs` programs."""
-    return [GatherTiles(rows, warps, programs=programs, tiles_in_flight=flight)
-            for rows, warps, flight in PERSISTENT_CANDIDATES]
+    return [GatherTiles(rows, warps, programs=programs) for rows, warps in PERSISTENT_CANDIDATES]
 
 
 # tokens per op: from a 21 MB pack, a 64K-token shard and decode-sized slot lists up to working

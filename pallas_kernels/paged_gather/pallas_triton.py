@@ -39,17 +39,11 @@ class GatherTiles:
     evict_first: bool = False     # loads hint L2 to evict the (read-once) records first
     programs: int = 0             # raw paged gather: 0 = one program per tile; n > 0 = n persistent
                                   # programs striding over the tiles (a bounded SM footprint)
-    tiles_in_flight: int = 1      # persistent programs: 2 issues the loads of a program's next tile
-                                  # before the stores of its current one
 
     def __post_init__(self):
         selection.check_power_of_two_fields(self, ("rows_per_tile", "num_warps", "max_piece_bytes"))
         if isinstance(self.programs, bool) or not isinstance(self.programs, int) or self.programs < 0:
             raise ValueError(f"programs: expected an int >= 0, got {self.programs!r}")
-        if self.tiles_in_flight not in (1, 2) or isinstance(self.tiles_in_flight, bool):
-            raise ValueError(f"tiles_in_flight: expected 1 or 2, got {self.tiles_in_flight!r}")
-        if self.tiles_in_flight == 2 and not self.programs:
-            raise ValueError("tiles_in_flight: 2 needs persistent programs (programs > 0), got programs=0")
 
 
 # The defaults where no tuned row applies (`pallas_kernels.tuning`): configs that won, or came
@@ -124,31 +118,21 @@ def _tile_rows(j, cu_ref, bt_ref, *, num_reqs, max_blocks, num_blocks, block_siz
     return src, jnp.where(write_ok, dst, num_rows), read_ok, write_ok
 
 
-def _load_rows(src_ref, src, read_ok, pieces, eviction_policy) -> tuple:
-    """Each piece of the rows src_ref[src[i]], zero where not read_ok[i]: u8[rows, width] per piece."""
-    loaded = []
-    for offset, width in pieces:
-        cols = offset + lax.broadcasted_iota(jnp.int32, (1, width), 1)
-        mask = jnp.broadcast_to(read_ok, (src.shape[0], width))
-        loaded.append(compat.pltriton.load(src_ref.at[src, cols], mask=mask, other=0,
-                                           eviction_policy=eviction_policy))
-    return tuple(loaded)
-
-
-def _store_rows(dst_ref, dst, write_ok, pieces, loaded):
-    for (offset, width), data in zip(pieces, loaded):
-        cols = offset + lax.broadcasted_iota(jnp.int32, (1, width), 1)
-        compat.pltriton.store(dst_ref.at[dst, cols], data, mask=jnp.broadcast_to(write_ok, data.shape))
-
-
 def _copy_rows(src_ref, src, read_ok, dst_ref, dst, write_ok, pieces, eviction_policy):
     """dst_ref[dst[i]] = src_ref[src[i]] if read_ok[i] else 0, for rows with write_ok[i]: every
     load first, then every store."""
-    _store_rows(dst_ref, dst, write_ok, pieces, _load_rows(src_ref, src, read_ok, pieces, eviction_policy))
+    tile_rows = src.shape[0]
+    loaded = []
+    for offset, width in pieces:
+        cols = offset + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+        mask = jnp.broadcast_to(read_ok, (tile_rows, width))
+        loaded.append((cols, compat.pltriton.load(src_ref.at[src, cols], mask=mask, other=0,
+                                                  eviction_policy=eviction_policy)))
+    for cols, data in loaded:
+        compat.pltriton.store(dst_ref.at[dst, cols], data, mask=jnp.broadcast_to(write_ok, data.shape))
 
 
-def _raw_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, tile, pieces, eviction_policy, programs=0, num_tiles=0,
-                tiles_in_flight=1, num_rows=0):
+def _raw_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, tile, pieces, eviction_policy, programs=0, num_tiles=0):
     # cu_ref: i32[num_reqs + 1]; bt_ref: i32[num_reqs * max_blocks] (the table, flat)
     # cache_ref: u8[num_blocks * block_size, R]; out_ref: u8[num_rows, R]
     def copy_tile(j):
@@ -159,32 +143,16 @@ def _raw_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, tile, pieces, eviction_po
         copy_tile(pl.program_id(0))
         return
     # persistent: program p copies tiles p, p + programs, ...; a tile past the last one has no
-    # row below num_rows, so every access of it is masked
+    # row below num_rows, so every access of it is masked.  Issuing a tile's loads before the
+    # previous tile's stores (two tiles in flight per program) was no faster than larger tiles:
+    # BENCHMARKS.md, "Two tiles in flight"
     first = pl.program_id(0)
-    steps = pl.cdiv(num_tiles, programs)
-    if tiles_in_flight == 1:
-        def step(i, carry):
-            copy_tile(first + i * programs)
-            return carry
 
-        lax.fori_loop(0, steps, step, 0)
-        return
+    def step(i, carry):
+        copy_tile(first + i * programs)
+        return carry
 
-    # two tiles in flight: a step issues the loads of the program's next tile, then stores the
-    # tile the previous step loaded, so a program's loads never wait for its own stores.  Rows
-    # that are not written carry the output index num_rows (`_tile_rows`), so the carry is the
-    # output rows and the loaded pieces.
-    def load_tile(j):
-        src, dst, read_ok, _ = tile(j, cu_ref, bt_ref)
-        return dst, _load_rows(cache_ref, src, read_ok, pieces, eviction_policy)
-
-    def pipelined_step(i, carry):
-        dst, loaded = carry
-        following = load_tile(first + (i + 1) * programs)
-        _store_rows(out_ref, dst, dst < num_rows, pieces, loaded)
-        return following
-
-    lax.fori_loop(0, steps, pipelined_step, load_tile(first))
+    lax.fori_loop(0, pl.cdiv(num_tiles, programs), step, 0)
 
 
 def _dequant_kernel(cu_ref, bt_ref, cache_ref, out_ref, *, tile, layout, eviction_policy):
@@ -245,8 +213,7 @@ def _paged_call(kernel, out_shape, cache, block_table, cu_lens, num_rows, config
     grid = num_tiles
     if config.programs and kernel is _raw_kernel:
         grid = min(config.programs, num_tiles)
-        params = dict(params, programs=grid, num_tiles=num_tiles, tiles_in_flight=config.tiles_in_flight,
-                      num_rows=num_rows)
+        params = dict(params, programs=grid, num_tiles=num_tiles)
     body = functools.partial(kernel, tile=tile, eviction_policy=_eviction(config), **params)
     args = (cu_lens, block_table.reshape(num_reqs * max_blocks), cache.reshape(num_blocks * block_size, record_bytes))
     aliases = {}
