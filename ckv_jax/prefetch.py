@@ -282,7 +282,9 @@ class PrefetchOrchestrator:
         this step's write) with ckv-jax's writer, in the same program as the layer's patch or
         gather and its prefetches (one dispatch), ahead of both.  Returns (the written cache,
         which replaces `cache` in every later call, the workspace).  signal: see `gather`; it
-        then follows the cache write too."""
+        then follows the cache write too.  A ring slot still referenced raises
+        `SlotStillReferenced`; where the program had already run (XLA on a CPU), the error's
+        `written` is the written cache, which replaces `cache` as the return value would."""
         written = []
         ws = self._layer_call(layer, cache, kv_c, k_pe, key, None, None, signal, written)
         return written[0], ws
@@ -355,10 +357,12 @@ class PrefetchOrchestrator:
         else:
             index, own_cache, how = layer % self.slots, cache, "sync"
         targets = target_layers(layer, self.depth, state.registered(), state.pending, PREFETCHES_PER_DISPATCH)
-        ws = self._own_and_prefetches(state, index, own_cache, kv_c, k_pe, targets, after, ready, signal,
-                                      cache if write else None, written)
-        if write:
-            state.caches[layer] = written[0]   # the donated cache's successor (same memory)
+        try:
+            ws = self._own_and_prefetches(state, index, own_cache, kv_c, k_pe, targets, after, ready, signal,
+                                          cache if write else None, written)
+        finally:
+            if written:     # the donated cache's successor (same memory), also where the call raised after it ran
+                state.caches[layer] = written[0]
         self.decisions.append((key, layer, how, tuple(targets)))
         return ws
 
@@ -410,7 +414,12 @@ class PrefetchOrchestrator:
                 written.append(cache)
             return ([] if ws is None else [ws]) + list(prefetched)
 
-        self._into_slots(state, indices, program)
+        try:
+            self._into_slots(state, indices, program)
+        except SlotStillReferenced as e:
+            if written:       # the program ran: its cache write stands, and the given cache was donated
+                e.written = written[0]
+            raise
         for t, i in zip(targets, targets_slots):
             state.pending[t] = i
         return None if index is None else self.pool.ring(state.lane)[index]
@@ -455,9 +464,22 @@ class PrefetchOrchestrator:
             raise slot_still_referenced(*kept)
 
 
-def slot_still_referenced(*indices: int) -> RuntimeError:
+class SlotStillReferenced(RuntimeError):
+    """Ring slots about to be reused while a workspace returned from one of them lives on.
+
+    written: None, or the layer's written cache when a `write_and_gather` program had already
+    run (XLA on a CPU copies a donated buffer that something still references instead of
+    refusing the call): the cache given to the call was donated to it, so this array, which the
+    orchestrator has also bound to the layer, is the cache from now on."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.written = None
+
+
+def slot_still_referenced(*indices: int) -> SlotStillReferenced:
     """The error of ring slots about to be reused while a workspace returned from one lives on."""
     which = f"slot {indices[0]}" if len(indices) == 1 else f"one of slots {', '.join(map(str, indices))}"
-    return RuntimeError(f"CKV workspace ring {which} is still referenced (a workspace returned by an "
-                        "earlier gather, or a view of it, is alive outside ckv-jax); drop it before its slot "
-                        "is reused")
+    return SlotStillReferenced(f"CKV workspace ring {which} is still referenced (a workspace returned by an "
+                               "earlier gather, or a view of it, is alive outside ckv-jax); drop it before its "
+                               "slot is reused")

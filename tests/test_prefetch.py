@@ -10,7 +10,8 @@ import pytest
 import dcp_scenario
 from ckv_jax import dcp_step, formats, full_ckv, placement
 from ckv_jax.dcp_layout import DcpLayout
-from ckv_jax.prefetch import PREFETCHES_PER_DISPATCH, PrefetchOrchestrator, RegisteredLayers, target_layers
+from ckv_jax.prefetch import (PREFETCHES_PER_DISPATCH, PrefetchOrchestrator, RegisteredLayers, SlotStillReferenced,
+                             target_layers)
 from ckv_jax.prefetch_config import GatherConfig
 from ckv_jax.step_plan import build_step_plan
 from helpers import copies_of_at_least, mesh_of
@@ -410,6 +411,46 @@ def test_write_and_gather_writes_the_engines_cache_in_place_and_the_same_workspa
     hows = [how for _, _, how, _ in ours.orch.decisions]
     assert hows == (["sync"] * LAYERS if depth == 0 else ["begin_step"] + ["prefetched"] * LAYERS)
 
+
+def test_a_write_into_a_still_referenced_slot_loses_no_cache():
+    """`write_and_gather` donates the layer's cache.  When the call's ring slot is still pinned
+    (here by a DLPack capsule of the workspace it returned a step earlier) it raises
+    `SlotStillReferenced`, and the cache is not lost either way: XLA on a GPU refuses the call
+    (the given cache stands, unwritten), XLA on a CPU copies the pinned slot and runs it (the
+    error's `written` is the written cache, bound to the layer).  With the pin dropped the next
+    call continues from that cache and gives the engine's bytes."""
+    ours, theirs = Engine(1, "fp8_ds_mla", 0), Engine(1, "fp8_ds_mla", 0)
+    ours.caches = [jnp.copy(c) for c in ours.caches]     # JAX's own memory (see the test above)
+    plans = [build_step_plan(ours.layout, h + q, q, max_num_seqs=4, min_tokens=1, min_world_size=1)
+             for h, q in STEPS]
+    ours.orch.begin_step(plans[0], ours.layers[0].block_table)
+    chunk = ours.chunk(0, *STEPS[0])
+    theirs.write(0, plans[0], *chunk)
+    ours.caches[0], ws = ours.orch.write_and_gather(0, ours.caches[0], *chunk)
+    pin = ws.__dlpack__()
+    del ws
+    ours.orch.begin_step(plans[1], ours.layers[0].block_table)
+    chunk = ours.chunk(0, *STEPS[1])
+    given = ours.caches[0]
+    with pytest.raises(SlotStillReferenced, match="slot 0 is still referenced") as raised:
+        ours.orch.write_and_gather(0, given, *chunk)
+    if raised.value.written is None:                     # refused: nothing ran, nothing donated
+        assert not given.is_deleted()
+        np.testing.assert_array_equal(np.asarray(jnp.copy(given)), np.asarray(theirs.caches[0]))
+        kept = given
+    else:                                                # ran: the written cache replaces the donated one
+        assert given.is_deleted()
+        kept = raised.value.written
+        assert ours.orch.lane().caches[0] is kept
+        theirs.write(0, plans[1], *chunk)
+        np.testing.assert_array_equal(np.asarray(jnp.copy(kept)), np.asarray(theirs.caches[0]))
+    del pin
+    if raised.value.written is None:
+        theirs.write(0, plans[1], *chunk)
+    ours.caches[0], ws = ours.orch.write_and_gather(0, kept, *chunk)
+    np.testing.assert_array_equal(np.asarray(jnp.copy(ours.caches[0])), np.asarray(theirs.caches[0]))
+    want = dcp_scenario.expected_workspace(ours.layers[0], seq_lens=STEPS[1][0] + STEPS[1][1], plan=plans[1])
+    np.testing.assert_array_equal(np.asarray(jnp.copy(ws))[:len(want)], want)
 
 def _ancestors(ins, name, seen=None):
     """Every instruction `name` depends on, in `_entry_instructions`' map."""
