@@ -574,16 +574,17 @@ def test_full_ckv_attention_runs_the_kernel(name, keys, kernel_mode):
 def test_the_mosaic_kernel_on_both_dcp_paths(kernel_mode):
     """Full-CKV (each rank its heads over the gathered workspace) and stock DCP (each rank all
     heads over its own shard, float32 partials merged by LSE) with the Mosaic GPU kernel, against
-    one device's XLA attention over the same records in global order: two CPU ranks interpreted,
+    one device's XLA attention over the same records in global order: one CPU rank interpreted,
     every GPU compiled."""
     import dcp_scenario
     from ckv_jax import full_ckv, placement
     from helpers import mesh_of
-    # Interpreted, one rank and seven tokens: the Mosaic GPU interpreter runs each program's
-    # warpgroups as threads; with two CPU devices interpreting at once it hung (jax 0.10.2), and
-    # it takes seconds a token.
-    d = 1 if kernel_mode == "interpret" else len(jax.devices())
-    sc = dcp_scenario.build(d, 1, MOSAIC, [45, 70], [4, 3], seed=3)
+    # Interpreted, one rank and three tokens (compiled: seven): the Mosaic GPU interpreter runs
+    # each program's warpgroups as threads; with two CPU devices interpreting at once it hung (jax
+    # 0.10.2), and it takes seconds a token.
+    interpreted = kernel_mode == "interpret"
+    d = 1 if interpreted else len(jax.devices())
+    sc = dcp_scenario.build(d, 1, MOSAIC, [45, 70], [2, 1] if interpreted else [4, 3], seed=3)
     plan, mesh = sc.plan, mesh_of(d)
     rng = np.random.default_rng(3)
     q = jnp.asarray(rng.standard_normal((plan.num_tokens, 2 * d, 576)), jnp.bfloat16)
@@ -593,7 +594,7 @@ def test_the_mosaic_kernel_on_both_dcp_paths(kernel_mode):
         n = min(24, p + 1)
         topk[t, :n] = rng.choice(p + 1, size=n, replace=False)
     caches = placement.place_caches(sc.caches, mesh)
-    kernel = dict(implementation="pallas_mosaic_gpu", interpret=kernel_mode == "interpret")
+    kernel = dict(implementation="pallas_mosaic_gpu", interpret=interpreted)
     ws = full_ckv.all_gather_ckv(caches, jnp.asarray(sc.block_table), plan, mesh=mesh, format=MOSAIC)
     idx, cnt = full_ckv.remap_topk(jnp.asarray(topk), plan)
     full = sparse_mla.full_ckv_attention(q, ws, idx, cnt, 576 ** -0.5, format=MOSAIC, mesh=mesh, **kernel)
