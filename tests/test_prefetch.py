@@ -434,23 +434,21 @@ def test_a_write_into_a_still_referenced_slot_loses_no_cache():
     given = ours.caches[0]
     with pytest.raises(SlotStillReferenced, match="slot 0 is still referenced") as raised:
         ours.orch.write_and_gather(0, given, *chunk)
+    unwritten = np.array(theirs.caches[0])               # copies: the engine's cache before and after
+    theirs.write(0, plans[1], *chunk)
+    written = np.array(theirs.caches[0])
     if raised.value.written is None:                     # refused: nothing ran, nothing donated
-        assert not given.is_deleted()
-        np.testing.assert_array_equal(np.asarray(jnp.copy(given)), np.asarray(theirs.caches[0]))
-        kept = given
+        kept, want = given, unwritten
     else:                                                # ran: the written cache replaces the donated one
-        assert given.is_deleted()
-        kept = raised.value.written
-        assert ours.orch.lane().caches[0] is kept
-        theirs.write(0, plans[1], *chunk)
-        np.testing.assert_array_equal(np.asarray(jnp.copy(kept)), np.asarray(theirs.caches[0]))
+        kept, want = raised.value.written, written
+        assert given.is_deleted() and ours.orch.lane().caches[0] is kept
+    np.testing.assert_array_equal(np.asarray(jnp.copy(kept)), want)
     del pin
-    if raised.value.written is None:
-        theirs.write(0, plans[1], *chunk)
     ours.caches[0], ws = ours.orch.write_and_gather(0, kept, *chunk)
-    np.testing.assert_array_equal(np.asarray(jnp.copy(ours.caches[0])), np.asarray(theirs.caches[0]))
+    np.testing.assert_array_equal(np.asarray(jnp.copy(ours.caches[0])), written)
     want = dcp_scenario.expected_workspace(ours.layers[0], seq_lens=STEPS[1][0] + STEPS[1][1], plan=plans[1])
     np.testing.assert_array_equal(np.asarray(jnp.copy(ws))[:len(want)], want)
+
 
 def _ancestors(ins, name, seen=None):
     """Every instruction `name` depends on, in `_entry_instructions`' map."""
