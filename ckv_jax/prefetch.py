@@ -286,7 +286,12 @@ class PrefetchOrchestrator:
         `SlotStillReferenced`; where the program had already run (XLA on a CPU), the error's
         `written` is the written cache, which replaces `cache` as the return value would."""
         written = []
-        ws = self._layer_call(layer, cache, kv_c, k_pe, key, None, None, signal, written)
+        try:
+            ws = self._layer_call(layer, cache, kv_c, k_pe, key, None, None, signal, written)
+        except SlotStillReferenced as e:
+            if written:       # the program ran: its cache write stands, and the given cache was donated
+                e.written = written[0]
+            raise
         return written[0], ws
 
     def gather(self, layer: int | None, cache, kv_c, k_pe, *, key: Hashable = "target", after=None,
@@ -414,12 +419,7 @@ class PrefetchOrchestrator:
                 written.append(cache)
             return ([] if ws is None else [ws]) + list(prefetched)
 
-        try:
-            self._into_slots(state, indices, program)
-        except SlotStillReferenced as e:
-            if written:       # the program ran: its cache write stands, and the given cache was donated
-                e.written = written[0]
-            raise
+        self._into_slots(state, indices, program)
         for t, i in zip(targets, targets_slots):
             state.pending[t] = i
         return None if index is None else self.pool.ring(state.lane)[index]
