@@ -121,9 +121,11 @@ class LaneState:
     caches: list = dataclasses.field(default_factory=list)     # layer -> registered cache or None
     pending: dict = dataclasses.field(default_factory=dict)    # layer -> ring slot
     last_layer: int | None = None
+    # a live view of `caches` (grown and rebound in place, never replaced), made once
+    registered: "RegisteredLayers" = dataclasses.field(init=False, repr=False, compare=False)
 
-    def registered(self) -> "RegisteredLayers":
-        return RegisteredLayers(self.caches)
+    def __post_init__(self):
+        self.registered = RegisteredLayers(self.caches)
 
 
 class RegisteredLayers(Sequence):
@@ -168,6 +170,10 @@ class PrefetchOrchestrator:
         self.prefetch_tiles = dcp_step.prefetch_pack_tiles(prefetch_programs, placement.mesh_device(mesh))
         self.implementation = dcp_step.static_implementation(implementation)
         self.interpret = interpret
+        # XLA on a GPU refuses to run a program that donates a buffer something else still
+        # references; elsewhere (XLA on a CPU) it runs it on a copy, which only a check after the
+        # call can tell (`_into_slots`)
+        self._donation_may_copy = placement.mesh_device(mesh).platform != "gpu"
         self._lanes: dict[Hashable, LaneState] = {}
         self._plan: StepPlan | None = None
         self._arrays: dcp_step.StepArrays | None = None
@@ -260,7 +266,7 @@ class PrefetchOrchestrator:
         if not (prefetch and plan.eligible):
             return
         for key, state in self._lanes.items():
-            targets = target_layers(-1, self.depth, state.registered(), state.pending, PREFETCHES_PER_DISPATCH)
+            targets = target_layers(-1, self.depth, state.registered, state.pending, PREFETCHES_PER_DISPATCH)
             if not targets:
                 continue
             if after is None:
@@ -271,10 +277,7 @@ class PrefetchOrchestrator:
 
     def enter_layer(self, layer: int, key: Hashable = "target"):
         """A layer index at or below the last one restarts the step (a repeated or interrupted pass)."""
-        state = self.lane(key)
-        if state.last_layer is not None and layer <= state.last_layer:
-            state.pending.clear()
-        state.last_layer = layer
+        _enter(self.lane(key), layer)
 
     def write_and_gather(self, layer: int | None, cache, kv_c, k_pe, *, key: Hashable = "target", signal=None):
         """`gather` for an engine that leaves the layer's cache write to this call: the chunk
@@ -349,7 +352,7 @@ class PrefetchOrchestrator:
                                           cache if write else None, written)
             self.decisions.append((key, None, "sync", ()))
             return ws
-        self.enter_layer(layer, key)
+        _enter(state, layer)
         while len(state.caches) <= layer:
             state.caches.append(None)
         if state.caches[layer] is not cache:   # checked once per cache object: the layout is fixed
@@ -361,7 +364,7 @@ class PrefetchOrchestrator:
             index, own_cache, how = state.pending.pop(layer), None, "prefetched"
         else:
             index, own_cache, how = layer % self.slots, cache, "sync"
-        targets = target_layers(layer, self.depth, state.registered(), state.pending, PREFETCHES_PER_DISPATCH)
+        targets = target_layers(layer, self.depth, state.registered, state.pending, PREFETCHES_PER_DISPATCH)
         try:
             ws = self._own_and_prefetches(state, index, own_cache, kv_c, k_pe, targets, after, ready, signal,
                                           cache if write else None, written)
@@ -402,7 +405,8 @@ class PrefetchOrchestrator:
         gathers of the layers `targets` into their ring slots, which become pending.
         write_cache: the layer's cache (donated), which the program first writes the chunk into
         (and gathers, when own_cache is the same cache); `written` (a list) receives its result."""
-        targets_slots = [t % self.slots for t in targets]
+        ring_size = self.memory.slots
+        targets_slots = [t % ring_size for t in targets]
         indices = ([] if index is None else [index]) + targets_slots
         for i in ([index] if own_cache is not None else []) + targets_slots:   # the slots a gather overwrites
             self.pool.check_writable(state.lane, i)
@@ -447,8 +451,8 @@ class PrefetchOrchestrator:
     def _into_slots(self, state: LaneState, indices: list[int], program: Callable[[list], list]):
         """Ring slots `indices` replaced by program(slots), which donates them.  A slot something
         else still references (a torch view of a workspace returned earlier) cannot be donated:
-        XLA on a GPU refuses the call, XLA on a CPU silently allocates a new buffer instead; the
-        pool never grows, so either is the slot's error."""
+        XLA on a GPU refuses the call, XLA on a CPU silently allocates a new buffer instead (a
+        donated slot left alive tells); the pool never grows, so either is the slot's error."""
         ring = self.pool.ring(state.lane)
         slots = [ring[i] for i in indices]
         try:
@@ -459,9 +463,16 @@ class PrefetchOrchestrator:
             raise slot_still_referenced(*indices) from e
         for i, array in zip(indices, new):
             ring[i] = array
-        kept = [i for i, slot in zip(indices, slots) if not slot.is_deleted()]
-        if kept:
-            raise slot_still_referenced(*kept)
+        if self._donation_may_copy:
+            kept = [i for i, slot in zip(indices, slots) if not slot.is_deleted()]
+            if kept:
+                raise slot_still_referenced(*kept)
+
+
+def _enter(state: LaneState, layer: int):
+    if state.last_layer is not None and layer <= state.last_layer:
+        state.pending.clear()
+    state.last_layer = layer
 
 
 class SlotStillReferenced(RuntimeError):

@@ -322,8 +322,9 @@ class TorchCkvAdapter:
         if pointer != kv_cache.data_ptr():
             raise RuntimeError(f"kv_cache: JAX wrote the chunk into a copy at 0x{pointer:x}, not into the torch "
                                f"cache at 0x{kv_cache.data_ptr():x} (a donated cache was copied)")
-        if layer_idx is not None:
-            self._bind(lane, layer_idx, kv_cache, written)
+        if layer_idx is not None:       # the same tensor and memory (`_cache` bound it): only the array is new
+            held = self._caches[(lane, layer_idx)]
+            self._caches[(lane, layer_idx)] = (held[0], held[1], written, held[3])
 
     def _write_dlpack(self, kv_cache: torch.Tensor, chunk):
         """The DLPack path's cache write: JAX encodes the chunk's records (XLA on a CPU would
@@ -402,7 +403,7 @@ class TorchCkvAdapter:
 
     # -- internals -------------------------------------------------------------------------------
     def _require_step(self, what):
-        bridge.check_not_capturing(what)
+        bridge.check_not_capturing(what, cuda_initialized=self.events is not None)
         if self.plan is None or not self.plan.eligible:
             raise RuntimeError(f"{what}: no eligible step begun (begin_step returned False or was not called)")
 

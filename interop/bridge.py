@@ -40,9 +40,11 @@ def dtype_names(dtypes) -> list[str]:
     return [str(d).replace("torch.", "") for d in dtypes]
 
 
-def check_not_capturing(what: str):
+def check_not_capturing(what: str, cuda_initialized: bool = False):
+    """Raise if torch's current stream is capturing a CUDA graph.  cuda_initialized: the caller
+    holds CUDA objects (so CUDA is initialized) and the check asks only the capture state."""
     # a capture needs CUDA initialized; is_initialized is the cheap test (is_available asks NVML)
-    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+    if (cuda_initialized or torch.cuda.is_initialized()) and torch.cuda.is_current_stream_capturing():
         raise CudaGraphCaptureError(f"{what}: ckv-jax runs JAX work on JAX's own streams, which a torch CUDA "
                                     "graph cannot capture; run this step eagerly or take the stock path")
 

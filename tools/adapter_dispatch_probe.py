@@ -2,10 +2,12 @@
 300 calls, host clock): the gather, patch and fused layer-program dispatches, a trivial donated
 jit, the event hand-offs, the chunk copy and the slot lookup.  With --loop instead: the host time of each
 piece where it runs, timed around each call inside the adapter's layer loop (`loop_split`),
-where the pieces cost what they cost in place.
+where the pieces cost what they cost in place.  With --floor: the adapter's layer loop against
+the floor of its mechanism in the same process (`floor`).
 
-    python tools/adapter_dispatch_probe.py [--loop]
+    python tools/adapter_dispatch_probe.py [--loop | --floor [--history H] [--compute-ms X] [--rounds R]]
 """
+import argparse
 import collections
 import functools
 import os
@@ -154,5 +156,112 @@ def loop_split():
               f"max {1e6 * max(ts):8.1f} us")
 
 
+def floor(history: int, compute_ms: float, rounds: int):
+    """Host us a layer (`set_current_chunk` + `gather`, as the bench times it) of the adapter's
+    steady state (depth 2, 8 layers, a 4,096-token chunk, the adapter writing the caches, sleep
+    compute) against two loops over the same adapter's state in the same process, rounds of 10
+    steps taking turns: `orchestrator`, the layer's torch<->JAX hand-offs around
+    `PrefetchOrchestrator.write_and_gather` (the adapter's own bookkeeping left out), and `floor`,
+    the same hand-offs around one `dcp_step.layer_program` call with the ring and caches indexed
+    by hand (no bookkeeping at all: the mechanism's cost, one dispatch and four event commands).
+    The floor bounds what any code around the same dispatch could reach on this host."""
+    work = Workload(history, 4096, 8, cache_write="adapter")
+    adapter = work.adapter(2)
+    sleep = bench.compute_kernels(compute_ms)["sleep"]
+    for _ in range(3):                       # discover the caches, compile, warm up
+        work.step(adapter, sleep)
+    torch.cuda.synchronize()
+    orch, events = adapter.orch, adapter.events
+    state = orch.lane("target")
+    ring = orch.pool.ring(state.lane)
+    layers, ring_size = len(work.caches), orch.slots
+    static = dict(mesh=orch.mesh, layout=orch.fmt.layout, axis_name=orch.axis_name,
+                  implementation=orch.implementation, interpret=orch.interpret, prefetch_tiles=orch.prefetch_tiles)
+
+    def chunk_arrays():
+        return [adapter._chunk_buffers[(t.dtype, t.shape[1])][1] for t in work.latents]
+
+    def handed_back(caches):
+        """The written caches bound again for the adapter's next step (as its gathers bind them)."""
+        for layer, cache in enumerate(caches):
+            state.caches[layer] = cache
+            adapter._caches[("target", layer)] = adapter._caches[("target", layer)][:2] + (cache, work.caches[layer])
+        state.pending.clear()
+
+    def layer_loop(host, own_work):
+        """The layers with the adapter's torch<->JAX hand-offs around own_work(layer, kv_c, k_pe)
+        -> the layer's workspace, timed as the bench times the adapter's calls."""
+        kv_c, k_pe = chunk_arrays()
+        for layer in range(layers):
+            sleep()
+            t0 = time.perf_counter()
+            stream = events.torch_stream()
+            events.mark_latents(stream)
+            events.jax_after_torch(stream, latents_only=True)
+            ws = own_work(layer, kv_c, k_pe)
+            events.torch_after_signal(stream)
+            view = orch.pool.tensor_of(ws).detach()
+            host.append(time.perf_counter() - t0)
+            view[:1].sum()
+            del view
+
+    def by_orchestrator(host):
+        layer_loop(host, lambda layer, kv_c, k_pe: orch.write_and_gather(
+            layer, state.caches[layer], kv_c, k_pe, signal=events.signal)[1])
+        handed_back(list(state.caches))
+
+    def by_hand(host):
+        """begin_step prefetched layers 0 and 1 into slots 0 and 1; layer l patches slot
+        l % 3 and prefetches layer l + 2."""
+        caches = list(state.caches)
+
+        def own_work(layer, kv_c, k_pe):
+            own, targets = layer % ring_size, [t for t in (layer + 2,) if t < layers]
+            ws, prefetched, caches[layer] = dcp_step.layer_program(
+                ring[own], None, kv_c, k_pe, orch._arrays, tuple(caches[t] for t in targets),
+                tuple(ring[t % ring_size] for t in targets), caches[layer],
+                signal=events.signal if targets else None, **static)
+            ring[own] = ws
+            for t, slot in zip(targets, prefetched):
+                ring[t % ring_size] = slot
+            if not targets:
+                events.signal(None)
+            return ws
+
+        layer_loop(host, own_work)
+        handed_back(caches)
+
+    loops = {"adapter": lambda host: work.layers(adapter, sleep, host), "orchestrator": by_orchestrator,
+             "floor": by_hand}
+    medians = {name: [] for name in loops}
+    for _ in range(rounds):
+        for name, loop in loops.items():
+            host = []
+            for _ in range(10):
+                work.begin_step(adapter)
+                loop(host)
+                torch.cuda.synchronize()
+            medians[name].append(1e6 * statistics.median(host))
+    probe = bench.host_probe_us()
+    print(f"history {history}, depth 2, the adapter writing, {compute_ms} ms of sleep a layer; "
+          f"host probe jax {probe['jax']:.0f} us, torch {probe['torch']:.0f} us")
+    for name, values in medians.items():
+        print(f"{name:<12} host us a layer, median of each round: {' '.join(f'{v:.0f}' for v in values)}"
+              f"   median {statistics.median(values):.1f}")
+
+
 if __name__ == "__main__":
-    loop_split() if sys.argv[1:] == ["--loop"] else main()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--loop", action="store_true", help="each piece's host time inside the layer loop")
+    mode.add_argument("--floor", action="store_true", help="the adapter's loop against its mechanism's floor")
+    ap.add_argument("--history", type=int, default=262144, help="--floor: history tokens (default %(default)s)")
+    ap.add_argument("--compute-ms", type=float, default=1.0, help="--floor: sleep a layer (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=12, help="--floor: rounds of each loop (default %(default)s)")
+    args = ap.parse_args()
+    if args.loop:
+        loop_split()
+    elif args.floor:
+        floor(args.history, args.compute_ms, args.rounds)
+    else:
+        main()
