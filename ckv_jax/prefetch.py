@@ -170,6 +170,10 @@ class PrefetchOrchestrator:
         self.prefetch_tiles = dcp_step.prefetch_pack_tiles(prefetch_programs, placement.mesh_device(mesh))
         self.implementation = dcp_step.static_implementation(implementation)
         self.interpret = interpret
+        # the layer program's static arguments, gathered once (a layer's dispatch reads them)
+        self._program_statics = dict(mesh=mesh, layout=self.fmt.layout, axis_name=axis_name,
+                                     implementation=self.implementation, interpret=interpret,
+                                     prefetch_tiles=self.prefetch_tiles)
         # XLA on a GPU refuses to run a program that donates a buffer something else still
         # references; elsewhere (XLA on a CPU) it runs it on a copy, which only a check after the
         # call can tell (`_into_slots`)
@@ -405,28 +409,28 @@ class PrefetchOrchestrator:
         gathers of the layers `targets` into their ring slots, which become pending.
         write_cache: the layer's cache (donated), which the program first writes the chunk into
         (and gathers, when own_cache is the same cache); `written` (a list) receives its result."""
-        ring_size = self.memory.slots
-        targets_slots = [t % ring_size for t in targets]
+        ring = self.pool.ring(state.lane)
+        targets_slots = [t % len(ring) for t in targets]
         indices = ([] if index is None else [index]) + targets_slots
         for i in ([index] if own_cache is not None else []) + targets_slots:   # the slots a gather overwrites
             self.pool.check_writable(state.lane, i)
-
-        def program(slots):
-            own = slots[0] if index is not None else None
+        slots = [ring[i] for i in indices]
+        try:
             ws, prefetched, cache = dcp_step.layer_program(
-                own, None if write_cache is not None else own_cache, kv_c, k_pe, self._arrays,
-                tuple(state.caches[t] for t in targets), tuple(slots[len(slots) - len(targets):]), write_cache,
-                mesh=self.mesh, layout=self.fmt.layout, axis_name=self.axis_name,
-                implementation=self.implementation, interpret=self.interpret, prefetch_tiles=self.prefetch_tiles,
-                signal=signal, gather_written=write_cache is not None and own_cache is not None)
-            if write_cache is not None:
-                written.append(cache)
-            return ([] if ws is None else [ws]) + list(prefetched)
-
-        self._into_slots(state, indices, program)
+                slots[0] if index is not None else None, None if write_cache is not None else own_cache, kv_c, k_pe,
+                self._arrays, tuple(state.caches[t] for t in targets), tuple(slots[len(slots) - len(targets):]),
+                write_cache, signal=signal, gather_written=write_cache is not None and own_cache is not None,
+                **self._program_statics)
+        except (jax.errors.JaxRuntimeError, ValueError) as e:     # jax 0.11 raises INVALID_ARGUMENT as ValueError
+            if _refused_donation(e):
+                raise slot_still_referenced(*indices) from e
+            raise
+        if write_cache is not None:
+            written.append(cache)
+        self._into_slots(ring, indices, slots, ([] if ws is None else [ws]) + list(prefetched))
         for t, i in zip(targets, targets_slots):
             state.pending[t] = i
-        return None if index is None else self.pool.ring(state.lane)[index]
+        return ws
 
     def _prefetches_after(self, state: LaneState, targets, after):
         """The gathers of `targets` into their ring slots, one program each that takes `after`."""
@@ -445,28 +449,34 @@ class PrefetchOrchestrator:
             program = functools.partial(dcp_step.gather_program, cache, self._arrays, after=after, mesh=self.mesh,
                                         axis_name=self.axis_name, implementation=self.implementation,
                                         interpret=self.interpret, tiles=tiles)
-        self._into_slots(state, [index], lambda slots: [program(slots[0])])
-        return self.pool.ring(state.lane)[index]
-
-    def _into_slots(self, state: LaneState, indices: list[int], program: Callable[[list], list]):
-        """Ring slots `indices` replaced by program(slots), which donates them.  A slot something
-        else still references (a torch view of a workspace returned earlier) cannot be donated:
-        XLA on a GPU refuses the call, XLA on a CPU silently allocates a new buffer instead (a
-        donated slot left alive tells); the pool never grows, so either is the slot's error."""
         ring = self.pool.ring(state.lane)
-        slots = [ring[i] for i in indices]
+        given = ring[index]
         try:
-            new = program(slots)
-        except (jax.errors.JaxRuntimeError, ValueError) as e:     # jax 0.11 raises INVALID_ARGUMENT as ValueError
-            if "external reference" not in str(e):
-                raise
-            raise slot_still_referenced(*indices) from e
+            ws = program(given)
+        except (jax.errors.JaxRuntimeError, ValueError) as e:
+            if _refused_donation(e):
+                raise slot_still_referenced(index) from e
+            raise
+        self._into_slots(ring, [index], [given], [ws])
+        return ws
+
+    def _into_slots(self, ring: list, indices: list[int], given: list, new: list):
+        """Ring slots `indices`, which a program took as `given` (donated), replaced by its results
+        `new`.  A slot something else still references (a torch view of a workspace returned
+        earlier) cannot be donated: XLA on a GPU refuses the call (`_refused_donation`), XLA on a
+        CPU silently runs it on a copy, which leaves the given slot alive; the pool never grows,
+        so either is the slot's error."""
         for i, array in zip(indices, new):
             ring[i] = array
         if self._donation_may_copy:
-            kept = [i for i, slot in zip(indices, slots) if not slot.is_deleted()]
+            kept = [i for i, slot in zip(indices, given) if not slot.is_deleted()]
             if kept:
                 raise slot_still_referenced(*kept)
+
+
+def _refused_donation(error: Exception) -> bool:
+    """Whether a program's error is XLA's refusal to donate a buffer something else references."""
+    return "external reference" in str(error)
 
 
 def _enter(state: LaneState, layer: int):

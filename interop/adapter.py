@@ -149,12 +149,14 @@ class TorchCkvAdapter:
                                          implementation=implementation, interpret=interpret,
                                          prefetch_programs=prefetch_programs, **pool)
         self.plan = None
-        self._caches: dict = {}            # (lane, layer) -> (data_ptr, shape, global cache array, tensor)
+        self._caches: dict = {}            # (lane, layer) -> (data_ptr, torch.Size, global cache array, tensor)
         self._chunk = None
         self._chunk_marked = False         # cuda-events: the chunk is in the chunk buffers, marked final
         self._chunk_rows = 0               # cuda-events: rows of the persistent chunk buffers
         self._chunk_buffers: dict = {}     # cuda-events: (dtype, width) -> (torch buffer, its JAX array)
         self._chunk_views: dict = {}       # cuda-events: (dtype, width) -> this step's rows of that buffer
+        self._marked_chunk = None          # cuda-events: (kv_c, k_pe, their buffers' JAX arrays) marked last
+        self._widths = (self.fmt.nope_dim, self.fmt.rope_dim)
         self._keepalive: list = []         # torch tensors JAX may still read this step
         self._host_slots = None            # DLPack path: this rank's cache slot of every chunk token
 
@@ -257,15 +259,20 @@ class TorchCkvAdapter:
             self._chunk = (kv_c, k_pe)
             return
         self._chunk = (kv_c, k_pe)
-        # the very tensors chunk_buffers() returned need no check (the common case, every layer)
-        views = self._chunk_views
-        if not (kv_c is views.get((kv_c.dtype, self.fmt.nope_dim)) and
-                k_pe is views.get((torch.bfloat16, self.fmt.rope_dim))):
-            _check_copied("kv_c", kv_c, KV_C_DTYPES, self.torch_device)
-            _check_copied("k_pe", k_pe, (torch.bfloat16,), self.torch_device)
-            if not (self._in_chunk_buffers(kv_c) and self._in_chunk_buffers(k_pe)):
-                self._chunk_marked = False
-                return
+        marked = self._marked_chunk
+        if marked is None or kv_c is not marked[0] or k_pe is not marked[1]:
+            # the very tensors chunk_buffers() returned need no check (the common case)
+            views = self._chunk_views
+            if not (kv_c is views.get((kv_c.dtype, self._widths[0])) and
+                    k_pe is views.get((torch.bfloat16, self._widths[1]))):
+                _check_copied("kv_c", kv_c, KV_C_DTYPES, self.torch_device)
+                _check_copied("k_pe", k_pe, (torch.bfloat16,), self.torch_device)
+                if not (self._in_chunk_buffers(kv_c) and self._in_chunk_buffers(k_pe)):
+                    self._chunk_marked = False
+                    return
+            # kept for the step's later layers, which pass the same tensors
+            self._marked_chunk = (kv_c, k_pe) + tuple(self._chunk_buffers[(t.dtype, t.shape[1])][1]
+                                                      for t in (kv_c, k_pe))
         self._chunk_marked = True
         self.events.mark_latents(self.events.torch_stream())
 
@@ -318,12 +325,13 @@ class TorchCkvAdapter:
     def _rebind(self, lane, layer_idx, kv_cache: torch.Tensor, written: jax.Array):
         """The written cache (the donated one's successor) as the binding of `kv_cache`, which it
         must alias: JAX wrote torch's memory in place, or the write is lost and this raises."""
+        held = self._caches.get((lane, layer_idx)) if layer_idx is not None else None
         pointer = written.unsafe_buffer_pointer()        # the one shard this process holds (no new array)
-        if pointer != kv_cache.data_ptr():
+        # (`_cache` bound the tensor at this call, so the binding holds its pointer)
+        if pointer != (kv_cache.data_ptr() if held is None else held[0]):
             raise RuntimeError(f"kv_cache: JAX wrote the chunk into a copy at 0x{pointer:x}, not into the torch "
                                f"cache at 0x{kv_cache.data_ptr():x} (a donated cache was copied)")
-        if layer_idx is not None:       # the same tensor and memory (`_cache` bound it): only the array is new
-            held = self._caches[(lane, layer_idx)]
+        if held is not None:            # the same tensor and memory: only the array is new
             self._caches[(lane, layer_idx)] = (held[0], held[1], written, held[3])
 
     def _write_dlpack(self, kv_cache: torch.Tensor, chunk):
@@ -354,7 +362,7 @@ class TorchCkvAdapter:
         torch's stream unless the engine wrote it there, `chunk_buffers`); returns their JAX
         arrays (all rows: the step's `chunk_rows` mark the rows past T as padding)."""
         if self._chunk_marked:           # set_current_chunk found them in the buffers' rows of this step
-            return [self._chunk_buffers[(t.dtype, t.shape[1])][1] for t in chunk]
+            return self._marked_chunk[2:]
         out = []
         rows = self.plan.num_tokens
         for name, t in zip(("kv_c", "k_pe"), chunk):
@@ -415,7 +423,7 @@ class TorchCkvAdapter:
         """The global sharded cache u8[D * num_blocks, block_size, R], imported once per tensor."""
         key = (lane, layer_idx)
         held = self._caches.get(key)
-        if held is not None and held[0] == kv_cache.data_ptr() and held[1] == tuple(kv_cache.shape):
+        if held is not None and held[0] == kv_cache.data_ptr() and held[1] == kv_cache.shape:
             return held[2]
         if held is not None:
             # the engine reallocated this layer's cache: a prefetch of it read the old tensor, which
@@ -437,7 +445,7 @@ class TorchCkvAdapter:
 
     def _bind(self, lane, layer_idx, kv_cache: torch.Tensor, cache: jax.Array):
         """`cache`, JAX's array of `kv_cache`'s memory, as the binding of (lane, layer_idx)."""
-        self._caches[(lane, layer_idx)] = (kv_cache.data_ptr(), tuple(kv_cache.shape), cache, kv_cache)
+        self._caches[(lane, layer_idx)] = (kv_cache.data_ptr(), kv_cache.shape, cache, kv_cache)
 
     def _drain(self):
         """Make torch's stream wait for every JAX computation still reading step inputs (dropped
@@ -449,6 +457,7 @@ class TorchCkvAdapter:
                 bridge.to_torch(ws.addressable_data(0), name="in-flight workspace")
         self._keepalive.clear()
         self._chunk_views.clear()
+        self._marked_chunk = None
         self._chunk = None
 
 

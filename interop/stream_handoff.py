@@ -155,12 +155,12 @@ class StreamEvents:
         overwrite slots torch may still be reading) waits for the full point inside the program
         (the signal's `then_wait`)."""
         self._torch_done.record(torch_stream)
-        self.jax_stream.wait_event(self._latents_ready if latents_only else self._torch_done)
+        (self._latents_ready if latents_only else self._torch_done).wait(self.jax_stream)
 
     def torch_after_jax(self, torch_stream: torch.cuda.Stream):
         """Work queued on `torch_stream` from now on runs after the JAX work dispatched so far."""
         self._jax_done.record(self.jax_stream)
-        torch_stream.wait_event(self._jax_done)
+        self._jax_done.wait(torch_stream)
 
     @property
     def signal(self) -> "StreamSignal":
@@ -171,7 +171,7 @@ class StreamEvents:
         """Work queued on `torch_stream` from now on runs after the point where the program
         dispatched last called `signal`; raises if it did not call it during its dispatch."""
         self._signal.take()
-        torch_stream.wait_event(self._signal.event)
+        self._signal.event.wait(torch_stream)
 
 
 class StreamSignal:
