@@ -156,7 +156,7 @@ class TorchCkvAdapter:
         self._chunk_buffers: dict = {}     # cuda-events: (dtype, width) -> (torch buffer, its JAX array)
         self._chunk_views: dict = {}       # cuda-events: (dtype, width) -> this step's rows of that buffer
         self._marked_chunk = None          # cuda-events: (kv_c, k_pe, their buffers' JAX arrays) marked last
-        self._widths = (self.fmt.nope_dim, self.fmt.rope_dim)
+        self._latent_widths = (self.fmt.nope_dim, self.fmt.rope_dim)   # read per layer; the format's are properties
         self._keepalive: list = []         # torch tensors JAX may still read this step
         self._host_slots = None            # DLPack path: this rank's cache slot of every chunk token
 
@@ -263,8 +263,8 @@ class TorchCkvAdapter:
         if marked is None or kv_c is not marked[0] or k_pe is not marked[1]:
             # the very tensors chunk_buffers() returned need no check (the common case)
             views = self._chunk_views
-            if not (kv_c is views.get((kv_c.dtype, self._widths[0])) and
-                    k_pe is views.get((torch.bfloat16, self._widths[1]))):
+            if not (kv_c is views.get((kv_c.dtype, self._latent_widths[0])) and
+                    k_pe is views.get((torch.bfloat16, self._latent_widths[1]))):
                 _check_copied("kv_c", kv_c, KV_C_DTYPES, self.torch_device)
                 _check_copied("k_pe", k_pe, (torch.bfloat16,), self.torch_device)
                 if not (self._in_chunk_buffers(kv_c) and self._in_chunk_buffers(k_pe)):
