@@ -175,8 +175,6 @@ def floor(history: int, compute_ms: float, rounds: int):
     state = orch.lane("target")
     ring = orch.pool.ring(state.lane)
     layers, ring_size = len(work.caches), orch.slots
-    static = dict(mesh=orch.mesh, layout=orch.fmt.layout, axis_name=orch.axis_name,
-                  implementation=orch.implementation, interpret=orch.interpret, prefetch_tiles=orch.prefetch_tiles)
 
     def chunk_arrays():
         return [adapter._chunk_buffers[(t.dtype, t.shape[1])][1] for t in work.latents]
@@ -185,7 +183,7 @@ def floor(history: int, compute_ms: float, rounds: int):
         """The written caches bound again for the adapter's next step (as its gathers bind them)."""
         for layer, cache in enumerate(caches):
             state.caches[layer] = cache
-            adapter._caches[("target", layer)] = adapter._caches[("target", layer)][:2] + (cache, work.caches[layer])
+            adapter._bind("target", layer, work.caches[layer], cache)
         state.pending.clear()
 
     def layer_loop(host, own_work):
@@ -220,7 +218,7 @@ def floor(history: int, compute_ms: float, rounds: int):
             ws, prefetched, caches[layer] = dcp_step.layer_program(
                 ring[own], None, kv_c, k_pe, orch._arrays, tuple(caches[t] for t in targets),
                 tuple(ring[t % ring_size] for t in targets), caches[layer],
-                signal=events.signal if targets else None, **static)
+                signal=events.signal if targets else None, **orch._program_statics)
             ring[own] = ws
             for t, slot in zip(targets, prefetched):
                 ring[t % ring_size] = slot
