@@ -454,3 +454,21 @@ def layer_program(slot, cache, kv_c, k_pe, arrays: StepArrays, prefetch_caches=(
             gather = functools.partial(gather, arrays=dataclasses.replace(arrays, local_cu=outs[0]))
     prefetched = tuple(gather(c, out=o, tiles=prefetch_tiles) for c, o in zip(prefetch_caches, prefetch_slots))
     return workspace, prefetched, written
+
+
+def bound_layer_program(*, mesh, layout: RecordLayout, axis_name: str = DCP_AXIS, implementation=None,
+                        interpret: bool = False, tiles=None, prefetch_tiles=None):
+    """`layer_program` with these static arguments fixed: a jitted program of its own (one per
+    distinct set, shared) that takes only `signal` and `gather_written` as static keywords.  A
+    caller that dispatches it per layer (`prefetch.PrefetchOrchestrator`) saves jit's hashing
+    and matching of the fixed arguments on every call."""
+    return _bound_layer_program(mesh, layout, axis_name, implementation, interpret, tiles, prefetch_tiles)
+
+
+@functools.cache
+def _bound_layer_program(mesh, layout, axis_name, implementation, interpret, tiles, prefetch_tiles):
+    program = functools.partial(layer_program.__wrapped__, mesh=mesh, layout=layout, axis_name=axis_name,
+                                implementation=implementation, interpret=interpret, tiles=tiles,
+                                prefetch_tiles=prefetch_tiles)
+    return jax.jit(program, static_argnames=("signal", "gather_written"),
+                   donate_argnames=("slot", "prefetch_slots", "write_cache"))

@@ -56,17 +56,19 @@ PREFETCHES_PER_DISPATCH = 2
 
 def target_layers(layer: int, depth: int, registered, pending, limit: int | None = None) -> list[int]:
     """Layers to prefetch when entering `layer`: layer+1..layer+depth, skipping pending ones,
-    stopping at the first layer without a registered cache (or past the last layer), the first
-    `limit` of them (all with None).
+    stopping at the first other layer without a registered cache (or past the last layer), the
+    first `limit` of them (all with None).  A pending layer's cache is not asked: its prefetch
+    has read it already.
 
     registered: sequence whose entry i is truthy when layer i's cache is registered.
     """
     targets = []
-    for t in range(layer + 1, layer + depth + 1):
-        if t >= len(registered) or not registered[t] or (limit is not None and len(targets) == limit):
+    for t in range(layer + 1, min(layer + depth + 1, len(registered))):
+        if t in pending:
+            continue
+        if len(targets) == limit or not registered[t]:
             break
-        if t not in pending:
-            targets.append(t)
+        targets.append(t)
     return targets
 
 
@@ -170,10 +172,11 @@ class PrefetchOrchestrator:
         self.prefetch_tiles = dcp_step.prefetch_pack_tiles(prefetch_programs, placement.mesh_device(mesh))
         self.implementation = dcp_step.static_implementation(implementation)
         self.interpret = interpret
-        # the layer program's static arguments, gathered once (a layer's dispatch reads them)
-        self._program_statics = dict(mesh=mesh, layout=self.fmt.layout, axis_name=axis_name,
-                                     implementation=self.implementation, interpret=interpret,
-                                     prefetch_tiles=self.prefetch_tiles)
+        # the layer program with the static arguments fixed for this orchestrator bound once:
+        # a layer's dispatch then hashes none of them
+        self._layer_program = dcp_step.bound_layer_program(
+            mesh=mesh, layout=self.fmt.layout, axis_name=axis_name, implementation=self.implementation,
+            interpret=interpret, prefetch_tiles=self.prefetch_tiles)
         # XLA on a GPU refuses to run a program that donates a buffer something else still
         # references; elsewhere (XLA on a CPU) it runs it on a copy, which only a check after the
         # call can tell (`_into_slots`)
@@ -405,29 +408,35 @@ class PrefetchOrchestrator:
 
     def _dispatch(self, state: LaneState, index, own_cache, kv_c, k_pe, targets, signal, write_cache=None,
                   written=None):
-        """One `dcp_step.layer_program`: slot `index` (None: none) patched or gathered, then the
-        gathers of the layers `targets` into their ring slots, which become pending.
-        write_cache: the layer's cache (donated), which the program first writes the chunk into
-        (and gathers, when own_cache is the same cache); `written` (a list) receives its result."""
-        ring = self.pool.ring(state.lane)
+        """One layer program (`dcp_step.layer_program`, bound for this orchestrator): slot `index`
+        (None: none) patched or gathered, then the gathers of the layers `targets` into their ring
+        slots, which become pending.  write_cache: the layer's cache (donated), which the program
+        first writes the chunk into (and gathers, when own_cache is the same cache); `written` (a
+        list) receives its result."""
+        ring, lane = self.pool.ring(state.lane), state.lane
         targets_slots = [t % len(ring) for t in targets]
-        indices = ([] if index is None else [index]) + targets_slots
-        for i in ([index] if own_cache is not None else []) + targets_slots:   # the slots a gather overwrites
-            self.pool.check_writable(state.lane, i)
-        slots = [ring[i] for i in indices]
+        if own_cache is not None:                  # the slots a gather overwrites
+            self.pool.check_writable(lane, index)
+        for i in targets_slots:
+            self.pool.check_writable(lane, i)
+        indices = targets_slots if index is None else [index, *targets_slots]
+        own_slot = None if index is None else ring[index]
+        prefetch_slots = tuple([ring[i] for i in targets_slots])
         try:
-            ws, prefetched, cache = dcp_step.layer_program(
-                slots[0] if index is not None else None, None if write_cache is not None else own_cache, kv_c, k_pe,
-                self._arrays, tuple(state.caches[t] for t in targets), tuple(slots[len(slots) - len(targets):]),
-                write_cache, signal=signal, gather_written=write_cache is not None and own_cache is not None,
-                **self._program_statics)
+            ws, prefetched, cache = self._layer_program(
+                own_slot, None if write_cache is not None else own_cache, kv_c, k_pe, self._arrays,
+                tuple([state.caches[t] for t in targets]), prefetch_slots, write_cache, signal=signal,
+                gather_written=write_cache is not None and own_cache is not None)
         except (jax.errors.JaxRuntimeError, ValueError) as e:     # jax 0.11 raises INVALID_ARGUMENT as ValueError
             if _refused_donation(e):
                 raise slot_still_referenced(*indices) from e
             raise
         if write_cache is not None:
             written.append(cache)
-        self._into_slots(ring, indices, slots, ([] if ws is None else [ws]) + list(prefetched))
+        if index is None:
+            self._into_slots(ring, indices, prefetch_slots, prefetched)
+        else:
+            self._into_slots(ring, indices, (own_slot, *prefetch_slots), (ws, *prefetched))
         for t, i in zip(targets, targets_slots):
             state.pending[t] = i
         return ws

@@ -34,6 +34,8 @@ def test_targets_skip_pending_and_stop_at_first_unregistered_layer():
     assert target_layers(1, 3, registered, {2: 0}) == []
     assert target_layers(1, 3, registered, {}) == [2]
     assert target_layers(3, 2, [True] * 5, {}) == [4]          # past the last layer
+    # a pending layer's cache is not asked (its prefetch read it): the lookahead goes on past it
+    assert target_layers(1, 3, [True, True, False, True, True], {2: 0}) == [3, 4]
 
 
 def test_registered_layers_are_bound_and_alive_caches():
@@ -541,6 +543,29 @@ def test_the_layer_program_writes_its_cache_in_place_before_the_signal(d):
     assert cache_param[0] in ancestors(written) | {written}
     with pytest.raises(ValueError, match="gather_written: gathers the cache this program writes; pass write_cache"):
         dcp_step.layer_program.lower(slots[0], cache, kv, pe, arrays, gather_written=True, mesh=mesh, layout=fmt.layout)
+
+
+def test_the_bound_layer_program_is_the_layer_program_with_its_static_arguments_fixed():
+    """The orchestrator dispatches `bound_layer_program`: the program `layer_program` lowers to
+    for the same static arguments, one jitted function per distinct set of them (a per-call
+    static argument is not one it binds)."""
+    mesh = mesh_of(2)
+    fmt = formats.get("fp8_ds_mla")
+    slots = [placement.replicated(mesh, jnp.zeros((2 * 1024, 656), jnp.uint8))[0] for _ in range(2)]
+    cache = placement.place_caches([np.zeros((8, 64, 656), np.uint8)] * 2, mesh)
+    plan = build_step_plan(DcpLayout(2, 1, 64), np.array([400]), np.array([32]), min_world_size=1)
+    arrays = dcp_step.step_arrays(plan, np.zeros((1, 8), np.int32), mesh, chunk_capacity=64)
+    kv, pe = jnp.ones((64, 512), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
+    statics = dict(mesh=mesh, layout=fmt.layout, implementation="xla")
+    bound = dcp_step.bound_layer_program(**statics)
+    assert dcp_step.bound_layer_program(implementation="xla", layout=fmt.layout, mesh=mesh_of(2)) is bound
+    assert dcp_step.bound_layer_program(**statics, interpret=True) is not bound
+    signal = SIGNALS["native"]()
+    args = (slots[0], None, kv, pe, arrays, (cache,), tuple(slots[1:]), cache)
+    assert bound.lower(*args, signal=signal).as_text() == \
+        dcp_step.layer_program.lower(*args, signal=signal, **statics).as_text()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'signal'"):
+        dcp_step.bound_layer_program(**statics, signal=signal)
 
 
 def test_chunk_buffers_larger_than_the_step_patch_the_same_bytes():

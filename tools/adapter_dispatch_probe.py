@@ -1,9 +1,11 @@
 """Host cost of the pieces of one torch-adapter layer on a GPU, each alone in a loop (median of
-300 calls, host clock): the gather, patch and fused layer-program dispatches, a trivial donated
-jit, the event hand-offs, the chunk copy and the slot lookup.  With --loop instead: the host time of each
-piece where it runs, timed around each call inside the adapter's layer loop (`loop_split`),
-where the pieces cost what they cost in place.  With --floor: the adapter's layer loop against
-the floor of its mechanism in the same process (`floor`).
+300 calls, host clock): the gather, patch and fused layer-program dispatches (the layer program
+bound as the orchestrator dispatches it, and with its static arguments passed per call, in
+alternating rounds), a trivial donated jit, the event hand-offs, the chunk copy and the slot
+lookup.  With --loop instead: the host time of each piece where it runs, timed around each call
+inside the adapter's layer loop (`loop_split`), where the pieces cost what they cost in place.
+With --floor: the adapter's layer loop against the floor of its mechanism in the same process
+(`floor`).
 
     python tools/adapter_dispatch_probe.py [--loop | --floor [--history H] [--compute-ms X] [--rounds R]]
 """
@@ -75,14 +77,22 @@ def main():
     chunk = placement.replicated(orch.mesh, jnp.zeros((arrays.chunk_rows.shape[0], 512), jnp.bfloat16),
                                  jnp.zeros((arrays.chunk_rows.shape[0], 64), jnp.bfloat16))
 
-    def layer(slots, signal):
-        ws, (prefetched,), _ = dcp_step.layer_program(slots[0], None, *chunk, arrays, (cache,), (slots[1],),
-                                                      mesh=orch.mesh, layout=orch.fmt.layout, signal=signal)
+    statics = dict(mesh=orch.mesh, layout=orch.fmt.layout, axis_name=placement.DCP_AXIS,
+                   implementation=orch.implementation, interpret=False, prefetch_tiles=orch.prefetch_tiles)
+
+    def layer(slots, signal, bound=True):
+        args = (slots[0], None, *chunk, arrays, (cache,), (slots[1],))
+        if bound:       # as the orchestrator dispatches it (`dcp_step.bound_layer_program`)
+            ws, (prefetched,), _ = orch._layer_program(*args, signal=signal, gather_written=False)
+        else:           # the same program with all its static arguments passed per call
+            ws, (prefetched,), _ = dcp_step.layer_program(*args, signal=signal, gather_written=False, **statics)
         return ws, prefetched
 
     signal = adapter.events.signal
-    rows.append(("layer_program patch + 1 prefetch, signal", median_us(
-        lambda: (two.call(layer, signal), signal.take()))))
+    for _ in range(3):          # rounds, alternating the two ways of passing the static arguments
+        for bound in (True, False):
+            rows.append((f"layer_program patch + 1 prefetch, signal, {'bound' if bound else 'per call'}",
+                         median_us(lambda: (two.call(layer, signal, bound), signal.take()))))
     rows.append(("layer_program patch + 1 prefetch, no signal", median_us(lambda: two.call(layer, None))))
     slot.array, ring[1] = two.array
     rows.append(("patch_program jit", median_us(
@@ -131,7 +141,7 @@ def loop_split():
     pieces = [(adapter_module.TorchCkvAdapter, n, "adapter." + n)
               for n in ("set_current_chunk", "gather", "_cache", "_chunk_on_device", "_require_step")]
     pieces += [(prefetch.PrefetchOrchestrator, n, "orchestrator." + n) for n in ("gather", "_dispatch", "_into_slots")]
-    pieces += [(dcp_step, n, "dcp_step." + n) for n in ("check_chunk", "check_caches", "layer_program")]
+    pieces += [(dcp_step, n, "dcp_step." + n) for n in ("check_chunk", "check_caches")]
     pieces += [(stream_handoff.StreamEvents, n, "events." + n) for n in ("jax_after_torch", "torch_after_signal")]
     pieces += [(bridge, "check_tensor", "bridge.check_tensor"), (prefetch, "target_layers", "prefetch.target_layers")]
     pieces += [(adapter_module.TorchWorkspacePool, n, "pool." + n) for n in ("tensor_of", "check_writable")]
@@ -139,6 +149,7 @@ def loop_split():
         _timed(owner, name, label, times)
     work = Workload(1 << 20, 4096, 8)
     adapter = work.adapter(2)
+    _timed(adapter.orch, "_layer_program", "orchestrator._layer_program", times)
     sleep = bench.compute_kernels(4.0)["sleep"]
     for _ in range(3):                       # discover the caches, compile, warm up
         work.step(adapter, sleep)
@@ -162,7 +173,8 @@ def floor(history: int, compute_ms: float, rounds: int):
     compute) against two loops over the same adapter's state in the same process, rounds of 10
     steps taking turns: `orchestrator`, the layer's torch<->JAX hand-offs around
     `PrefetchOrchestrator.write_and_gather` (the adapter's own bookkeeping left out), and `floor`,
-    the same hand-offs around one `dcp_step.layer_program` call with the ring and caches indexed
+    the same hand-offs around one call of the orchestrator's layer program (`dcp_step.layer_program`
+    with its static arguments bound, `dcp_step.bound_layer_program`) with the ring and caches indexed
     by hand (no bookkeeping at all: the mechanism's cost, one dispatch and four event commands).
     The floor bounds what any code around the same dispatch could reach on this host."""
     work = Workload(history, 4096, 8, cache_write="adapter")
@@ -215,10 +227,10 @@ def floor(history: int, compute_ms: float, rounds: int):
 
         def own_work(layer, kv_c, k_pe):
             own, targets = layer % ring_size, [t for t in (layer + 2,) if t < layers]
-            ws, prefetched, caches[layer] = dcp_step.layer_program(
+            ws, prefetched, caches[layer] = orch._layer_program(
                 ring[own], None, kv_c, k_pe, orch._arrays, tuple(caches[t] for t in targets),
                 tuple(ring[t % ring_size] for t in targets), caches[layer],
-                signal=events.signal if targets else None, **orch._program_statics)
+                signal=events.signal if targets else None)
             ring[own] = ws
             for t, slot in zip(targets, prefetched):
                 ring[t % ring_size] = slot

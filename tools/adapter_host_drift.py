@@ -39,7 +39,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import torch  # noqa: E402
 
-from ckv_jax import dcp_step  # noqa: E402
 from interop import bench  # noqa: E402
 
 _sched_getcpu = ctypes.CDLL(None).sched_getcpu
@@ -47,11 +46,12 @@ CONDITIONS = ("queued", "drained", "pinned", "no-gc")
 
 
 class TimedLayerProgram:
-    """`dcp_step.layer_program` with the host time of each call kept (the orchestrator looks the
-    function up in the module at every dispatch, so replacing it there times every dispatch)."""
+    """An orchestrator's layer program (`dcp_step.bound_layer_program`) with the host time of each
+    call kept (the orchestrator looks it up on itself at every dispatch, so replacing it there
+    times every dispatch)."""
 
-    def __init__(self):
-        self.inner = dcp_step.layer_program
+    def __init__(self, inner):
+        self.inner = inner
         self.times: list[float] = []
 
     def __call__(self, *args, **kwargs):
@@ -163,8 +163,7 @@ def main(argv=None) -> int:
         return 2
     work = bench.Workload(args.history, 4096, 8)
     adapter = work.adapter(args.depth, args.prefetch_programs)
-    timed = TimedLayerProgram()
-    dcp_step.layer_program = timed
+    timed = adapter.orch._layer_program = TimedLayerProgram(adapter.orch._layer_program)
     print(f"history {args.history}, depth {args.depth}, prefetch programs {args.prefetch_programs}, "
           f"jax {jax.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}, "
           f"CPUs allowed {len(os.sched_getaffinity(0))}")
@@ -180,7 +179,7 @@ def main(argv=None) -> int:
             results[condition].append(row)
             print(f"{r:5d} {condition:>9} {row['host_us']:13.1f} {row['jit_us']:11.1f} {idle:9.1f}/{queued:<9.1f}  "
                   f"{row['cpus']}", flush=True)
-    dcp_step.layer_program = timed.inner
+    adapter.orch._layer_program = timed.inner
     adapter.close()
     print("\nover rounds: median [min, max] of the per-round medians")
     for condition, rows in results.items():
