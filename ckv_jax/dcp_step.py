@@ -379,9 +379,15 @@ def signal_when_ready(arrays: tuple, signal, *, platform: str) -> tuple:
     return tuple(buffer_callback(call, shapes, input_output_aliases={i: i for i in range(len(arrays))})(*arrays))
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "layout", "implementation", "interpret",
-                                             "tiles", "prefetch_tiles", "signal", "gather_written"),
-                   donate_argnames=("slot", "prefetch_slots", "write_cache"))
+# layer_program's static arguments that a caller fixes (`bound_layer_program`) and those it
+# passes per call, and its donated arguments: one definition for both jitted forms
+_LAYER_PROGRAM_FIXED = ("mesh", "axis_name", "layout", "implementation", "interpret", "tiles", "prefetch_tiles")
+_LAYER_PROGRAM_PER_CALL = ("signal", "gather_written")
+_LAYER_PROGRAM_DONATED = ("slot", "prefetch_slots", "write_cache")
+
+
+@functools.partial(jax.jit, static_argnames=_LAYER_PROGRAM_FIXED + _LAYER_PROGRAM_PER_CALL,
+                   donate_argnames=_LAYER_PROGRAM_DONATED)
 def layer_program(slot, cache, kv_c, k_pe, arrays: StepArrays, prefetch_caches=(), prefetch_slots=(),
                   write_cache=None, *, mesh, layout: RecordLayout, axis_name: str = DCP_AXIS, implementation=None,
                   interpret: bool = False, tiles=None, prefetch_tiles=None, signal=None, gather_written: bool = False):
@@ -470,5 +476,4 @@ def _bound_layer_program(mesh, layout, axis_name, implementation, interpret, til
     program = functools.partial(layer_program.__wrapped__, mesh=mesh, layout=layout, axis_name=axis_name,
                                 implementation=implementation, interpret=interpret, tiles=tiles,
                                 prefetch_tiles=prefetch_tiles)
-    return jax.jit(program, static_argnames=("signal", "gather_written"),
-                   donate_argnames=("slot", "prefetch_slots", "write_cache"))
+    return jax.jit(program, static_argnames=_LAYER_PROGRAM_PER_CALL, donate_argnames=_LAYER_PROGRAM_DONATED)

@@ -77,8 +77,8 @@ def main():
     chunk = placement.replicated(orch.mesh, jnp.zeros((arrays.chunk_rows.shape[0], 512), jnp.bfloat16),
                                  jnp.zeros((arrays.chunk_rows.shape[0], 64), jnp.bfloat16))
 
-    statics = dict(mesh=orch.mesh, layout=orch.fmt.layout, axis_name=placement.DCP_AXIS,
-                   implementation=orch.implementation, interpret=False, prefetch_tiles=orch.prefetch_tiles)
+    statics = dict(mesh=orch.mesh, layout=orch.fmt.layout, axis_name=orch.axis_name,
+                   implementation=orch.implementation, interpret=orch.interpret, prefetch_tiles=orch.prefetch_tiles)
 
     def layer(slots, signal, bound=True):
         args = (slots[0], None, *chunk, arrays, (cache,), (slots[1],))
