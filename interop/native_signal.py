@@ -1,12 +1,14 @@
-"""The native form of the adapter's in-program stream signal (`native/stream_signal.cc`): an XLA
-FFI handler, built on first use with the host's C++ compiler against the installed jaxlib's FFI
-headers (`jax.ffi.include_dir()`, so it always matches the running XLA), cached on disk, and
-registered with JAX.  Its handler runs in native code where the Python `buffer_callback` costs
-each layer's dispatch a Python call (BENCHMARKS.md, ninth session: 19-27 us traced, 44 us alone).
+"""The native forms of the in-program stream hooks (`native/stream_signal.cc`): the signal (an
+event recorded where a layer's workspace is ready) and the flag wait (a program queued ahead
+waits for a word torch writes).  XLA FFI handlers, built on first use with the host's C++
+compiler against the installed jaxlib's FFI headers (`jax.ffi.include_dir()`, so they always
+match the running XLA), cached on disk, and registered with JAX.  The handlers run in native
+code where the Python `buffer_callback` costs each layer's dispatch a Python call
+(BENCHMARKS.md, ninth session: 19-27 us traced, 44 us alone).
 
 `load()` returns the `Library` or None with the reason (no compiler, a failed build or
 registration); the caller then keeps the Python callback and logs why.  Nothing here needs CUDA
-at build time: the handler takes the driver's cuEventRecord and cuStreamWaitEvent as addresses.
+at build time: the handlers take the driver's functions as addresses.
 
 The cache directory is `$CKV_JAX_CACHE_DIR` or `~/.cache/ckv_jax`; one library per source,
 FFI headers and compiler, built into a temporary file and renamed, so concurrent processes
@@ -30,6 +32,7 @@ import numpy as np
 
 SOURCE = Path(__file__).with_name("native") / "stream_signal.cc"
 GPU_TARGET, HOST_TARGET = "ckv_stream_signal", "ckv_host_signal"
+GPU_WAIT_TARGET, HOST_WAIT_TARGET = "ckv_stream_wait_flag", "ckv_host_wait_flag"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,8 @@ def load() -> Loaded:
         handle = ctypes.CDLL(str(path))
         jax.ffi.register_ffi_target(GPU_TARGET, jax.ffi.pycapsule(handle.CkvStreamSignal), platform="CUDA")
         jax.ffi.register_ffi_target(HOST_TARGET, jax.ffi.pycapsule(handle.CkvHostSignal), platform="cpu")
+        jax.ffi.register_ffi_target(GPU_WAIT_TARGET, jax.ffi.pycapsule(handle.CkvStreamWaitFlag), platform="CUDA")
+        jax.ffi.register_ffi_target(HOST_WAIT_TARGET, jax.ffi.pycapsule(handle.CkvHostWaitFlag), platform="cpu")
     except (OSError, subprocess.CalledProcessError, AttributeError, ValueError, RuntimeError) as e:
         detail = getattr(e, "stderr", "") or ""
         return Loaded(None, f"native stream signal unavailable: {type(e).__name__}: {e} {detail[-2000:]}".rstrip())
@@ -113,6 +118,41 @@ def call(arrays: tuple, *, platform: str, record_fn: int, wait_fn: int, ready_ev
                  state=state.buffer_info()[0])
     return tuple(jax.ffi.ffi_call(target, shapes, input_output_aliases={i: i for i in range(len(arrays))})(
         *arrays, **{k: np.uint64(v) for k, v in attrs.items()}))
+
+
+def wait_flag(arrays: tuple, *, platform: str, wait_fn: int, copy_fn: int, flag: int, base: array.array,
+              offset: int, abandon: int, state: array.array) -> tuple:
+    """(abandoned u32[1], `arrays` unchanged) through the native flag wait (see the C++ file): on a
+    GPU the program's stream waits there until the u32 at device address `flag` reaches
+    `base[0] + offset` (base: a host `array.array('I')` read while the program is enqueued, so
+    one program serves every step), then `abandoned` receives the u32 at device address
+    `abandon`; elsewhere `abandoned` is 0.  state: as for `call`.  The operands are aliased to
+    the results after `abandoned`."""
+    if not isinstance(state, array.array) or state.typecode != "Q" or len(state) != 2:
+        raise TypeError(f"state: expected new_state() (array.array('Q') of 2 words), got {state!r}")
+    if not isinstance(base, array.array) or base.typecode != "I" or len(base) < 1:
+        raise TypeError(f"base: expected an array.array('I') of at least one word, got {base!r}")
+    shapes = (jax.ShapeDtypeStruct((1,), np.uint32),) + tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+    target = GPU_WAIT_TARGET if platform == "gpu" else HOST_WAIT_TARGET
+    attrs = dict(wait_fn=wait_fn, copy_fn=copy_fn, flag=flag, base=base.buffer_info()[0], offset=offset,
+                 abandon=abandon, state=state.buffer_info()[0])
+    out = jax.ffi.ffi_call(target, shapes, input_output_aliases={i: i + 1 for i in range(len(arrays))})(
+        *arrays, **{k: np.uint64(v) for k, v in attrs.items()})
+    return out[0], tuple(out[1:])
+
+
+def flag_functions() -> tuple[int, int, int]:
+    """The addresses of the CUDA driver's cuStreamWaitValue32, cuMemcpyDtoDAsync and
+    cuStreamWriteValue32, in their _v2 forms where the driver exports them (the stream memory
+    operations' v1 entry points may be disabled)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    found = []
+    for name in ("cuStreamWaitValue32", "cuMemcpyDtoDAsync", "cuStreamWriteValue32"):
+        fn = getattr(cuda, name + "_v2", None) or getattr(cuda, name, None)
+        if fn is None:
+            raise RuntimeError(f"libcuda exports neither {name}_v2 nor {name}")
+        found.append(ctypes.cast(fn, ctypes.c_void_p).value)
+    return tuple(found)
 
 
 def driver_functions() -> tuple[int, int]:

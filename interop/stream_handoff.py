@@ -25,6 +25,8 @@ overwrite a ring slot that a caller still holds.
 """
 from __future__ import annotations
 
+import array
+import ctypes
 import dataclasses
 import functools
 import logging
@@ -255,3 +257,122 @@ def current_stream_reader(index: int):
                   "for %s", key, public)
         return None
     return functools.partial(read, index)
+
+
+class StepFlags:
+    """The hooks of a step program queued ahead (`dcp_step.step_program`) on a GPU, and torch's
+    side of them: per layer torch writes one 32-bit flag and waits on one event, where the
+    per-layer protocol (`StreamEvents`) costs a program dispatch.
+
+    `words` (torch int32[2] on the GPU): [0] the flag, which torch's stream raises to
+    `base + l + 1` when layer l's latents are in the chunk buffers and its reads of the slot the
+    layer's prefetch overwrites are queued (`release`); [1] the abandon word, which the program
+    reads after each wait.  Layer l's wait in the program holds JAX's stream until the flag
+    reaches that value (native `cuStreamWaitValue32`, `interop.native_signal.wait_flag`); its
+    signal records `events[l]`, which torch's stream waits on before reading the workspace
+    (`torch_after`).  `base` (host) moves on by `layers` each step (`next_step`), so the flag
+    only ever grows (the wait's comparison is cyclic, so it may wrap) and one compiled program
+    serves every step.  A step left half-way must be released (`abandon`), or JAX's stream
+    waits forever: the abandon word set first makes the rest of the program write nothing into
+    the caches.  Hashable by identity: the static `hooks` argument of the program.
+
+    The hazard of a program queued ahead: while a step is not fully released, any device-wide
+    synchronization on the host (torch.cuda.synchronize, cudaFree when torch's allocator frees
+    its cache, CUDA's lazy loading of a kernel at its first launch) waits for JAX's stream,
+    which waits for a flag only the blocked host would write: a deadlock, unless another
+    thread abandons the step (tools/step_program_probe.py measures both).  Run such steps with
+    CUDA_MODULE_LOADING=EAGER and no device synchronization between `next_step` and the last
+    `release`."""
+
+    name = "cuda-flags"
+
+    def __init__(self, device: torch.device, jax_stream: torch.cuda.ExternalStream, handle: int, *, layers: int):
+        loaded = native_signal.load()
+        if loaded.library is None:
+            raise RuntimeError(f"step flags need the native stream hooks: {loaded.why}")
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers <= 0:
+            raise ValueError(f"layers: expected a positive number of layers, got {layers!r}")
+        self.layers, self._handle = layers, handle
+        self.words = torch.zeros(2, dtype=torch.int32, device=device)
+        self.base = array.array("I", [0])
+        self.events = [torch.cuda.Event() for _ in range(layers)]
+        for event in self.events:
+            event.record(jax_stream)                # created now: their handles go into the program
+        self._wait_fn, self._copy_fn, write_fn = native_signal.flag_functions()
+        self._record_fn, self._event_wait_fn = native_signal.driver_functions()
+        self._write = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
+                                       ctypes.c_uint)(write_fn)
+        self.wait_state, self.signal_state = native_signal.new_state(), native_signal.new_state()
+        self.released = layers                      # layers of the current step released so far
+
+    # -- the program's hooks -----------------------------------------------------------------------
+    def wait(self, layer: int, arrays: tuple, *, platform: str):
+        return native_signal.wait_flag(arrays, platform=platform, wait_fn=self._wait_fn, copy_fn=self._copy_fn,
+                                       flag=self.words.data_ptr(), base=self.base, offset=layer + 1,
+                                       abandon=self.words.data_ptr() + 4, state=self.wait_state)
+
+    def signal(self, layer: int, arrays: tuple, *, platform: str):
+        return native_signal.call(arrays, platform=platform, record_fn=self._record_fn, wait_fn=self._event_wait_fn,
+                                  ready_event=self.events[layer].cuda_event, then_wait=0, state=self.signal_state)
+
+    # -- torch's side --------------------------------------------------------------------------------
+    def next_step(self, torch_stream: torch.cuda.Stream):
+        """Before a step program is dispatched, after torch's stream waited for the last one: the
+        flag values move past the last step's and the abandon word is cleared, on torch's stream."""
+        if self.released != self.layers:
+            raise RuntimeError(f"step flags: the last step released {self.released} of {self.layers} layers; "
+                               "abandon it first")
+        self.base[0] = (self.base[0] + self.layers) & 0xFFFFFFFF
+        self._write_word(torch_stream, 4, 0)
+        self.released = 0
+
+    def dispatched(self):
+        """After the dispatch: every layer's wait and signal was enqueued on JAX's stream."""
+        for what, state in (("wait", self.wait_state), ("signal", self.signal_state)):
+            calls, stream = state
+            state[0] = state[1] = 0
+            if stream != self._handle or calls != self.layers:
+                raise RuntimeError(f"the step program enqueued {calls} flag {what}s on stream {stream:#x}; expected "
+                                   f"{self.layers} on JAX's compute stream {self._handle:#x}")
+
+    def release(self, torch_stream: torch.cuda.Stream, layer: int):
+        """Layer `layer`'s part of the program runs once torch's stream reaches this point."""
+        if layer != self.released:
+            raise ValueError(f"layer: expected {self.released} (layers are released in order), got {layer}")
+        self._write_word(torch_stream, 0, (self.base[0] + layer + 1) & 0xFFFFFFFF)
+        self.released += 1
+
+    def torch_after(self, torch_stream: torch.cuda.Stream, layer: int):
+        """Work queued on `torch_stream` from now on runs after layer `layer`'s workspace is ready."""
+        torch_stream.wait_event(self.events[layer])
+
+    def abandon(self, torch_stream: torch.cuda.Stream):
+        """Release the layers not yet released, after setting the abandon word: their part of the
+        program runs at once and writes no cache.  Callable from any thread (a watchdog's, while
+        the host is blocked in a device synchronization: see the class docstring)."""
+        if self.released == self.layers:
+            return
+        _make_context_current(self.words.device.index)
+        self._write_word(torch_stream, 4, 1)
+        self._write_word(torch_stream, 0, (self.base[0] + self.layers) & 0xFFFFFFFF)
+        self.released = self.layers
+
+    def _write_word(self, torch_stream: torch.cuda.Stream, offset: int, value: int):
+        rc = self._write(ctypes.c_void_p(torch_stream.cuda_stream), self.words.data_ptr() + offset, value, 0)
+        if rc != 0:
+            raise RuntimeError(f"cuStreamWriteValue32 failed with CUresult {rc}")
+
+
+def _make_context_current(index: int):
+    """Make GPU `index`'s primary context (torch's and JAX's) current on this thread: a thread
+    that made no CUDA call has none, and the driver's calls fail there (CUDA_ERROR_INVALID_CONTEXT)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    current = ctypes.c_void_p()
+    if cuda.cuCtxGetCurrent(ctypes.byref(current)) == 0 and current.value:
+        return
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    for rc, what in ((cuda.cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet"),
+                     (cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain"),
+                     (cuda.cuCtxSetCurrent(context), "cuCtxSetCurrent")):
+        if rc != 0:
+            raise RuntimeError(f"{what} failed with CUresult {rc}")

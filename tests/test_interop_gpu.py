@@ -1,6 +1,7 @@
 """The torch bridge on CUDA: zero-copy, the graph-capture guard, and ordering under a race."""
 import logging
 import sys
+import threading
 import time
 
 import jax
@@ -549,3 +550,107 @@ def test_torch_records_on_cuda_are_the_library_encoding():
     fmt = formats.get("fp8_ds_mla")
     want = np.asarray(fmt.encode(interop.to_jax(kv), interop.to_jax(pe)))
     np.testing.assert_array_equal(torch_records.encode(fmt.name, kv, pe).cpu().numpy(), want)
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_a_step_program_behind_flags_is_exact_under_a_race_and_writes_nothing_once_abandoned(depth):
+    """`dcp_step.step_program` queued ahead with `StepFlags`: torch writes each layer's own
+    latents into the chunk buffers behind ~10 ms of sleep and only then raises the layer's flag;
+    every workspace torch reads after the layer's event is the pre-step gather with those
+    latents' records in the chunk rows.  Raising the flag before the latents (the control)
+    must differ.  A step abandoned after layer 0 leaves the later caches' bytes untouched."""
+    from interop import bench, bridge, stream_handoff
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    layers, rows_per_layer = 3, 512
+    work = bench.Workload(8192, rows_per_layer, layers, cache_write="adapter")
+    device = jax.devices()[0]
+    stream = stream_handoff.probe(device).stream
+    events = stream_handoff.StreamEvents(torch.device("cuda", 0), stream)
+    flags = stream_handoff.StepFlags(torch.device("cuda", 0), events.jax_stream, stream, layers=layers)
+    mesh = jax.make_mesh((1,), (placement.DCP_AXIS,), devices=[device])
+    plan, fmt = work.plan, bench.FMT
+
+    def imported(t, spec):
+        local = bridge.to_jax(t, name="buffer", device=device)
+        return jax.make_array_from_single_device_arrays(local.shape, NamedSharding(mesh, spec), [local])
+
+    ring_t = [torch.full((plan.padded_tokens, fmt.record_bytes), 0xAB, dtype=torch.uint8, device="cuda")
+              for _ in range(depth + 1)]
+    kv_t, pe_t = torch.empty_like(work.kv), torch.empty_like(work.pe)
+    state = dict(ring=tuple(imported(t, P()) for t in ring_t),
+                 caches=tuple(imported(c, P(placement.DCP_AXIS)) for c in work.caches))
+    chunk = ((imported(kv_t, P()),), (imported(pe_t, P()),))
+    arrays = dcp_step.step_arrays(plan, work.table_host.numpy(), mesh, chunk_capacity=plan.num_tokens)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    latents = [((torch.randn(work.kv.shape, device="cuda", generator=gen) * 3).to(torch.bfloat16),
+                torch.randn(work.pe.shape, device="cuda", generator=gen).to(torch.bfloat16)) for _ in range(layers)]
+
+    def begin():
+        s = torch.cuda.current_stream()
+        events.torch_after_jax(s)
+        flags.next_step(s)
+        events.jax_after_torch(s)
+        state["ring"], state["caches"] = dcp_step.step_program(
+            state["ring"], state["caches"], *chunk, arrays, depth=depth, mesh=mesh, layout=fmt.layout, hooks=flags)
+        flags.dispatched()
+        return s
+
+    def run(early: bool):
+        """One step; returns the rows of the workspaces torch read that differ from the expected."""
+        torch.cuda.synchronize()
+        expected = []
+        for l in range(layers):
+            gathered = dcp_step.gather_program(state["caches"][l], arrays, mesh=mesh)
+            want = bridge.to_torch(gathered.addressable_data(0), name="expected").clone()
+            want[torch.as_tensor(plan.positions(), device="cuda")] = torch_records.encode(fmt.name, *latents[l])
+            expected.append(want)
+        seen = [torch.empty_like(e) for e in expected]
+        s = begin()
+        for l in range(layers):
+            if early:
+                flags.release(s, l)
+            torch.cuda._sleep(10_000_000)
+            kv_t.copy_(latents[l][0])
+            pe_t.copy_(latents[l][1])
+            if not early:
+                flags.release(s, l)
+            flags.torch_after(s, l)
+            seen[l].copy_(ring_t[l % (depth + 1)])
+        torch.cuda.synchronize()
+        return sum(int((a != b).any(dim=1).sum()) for a, b in zip(seen, expected))
+
+    # every kernel torch launches mid-step launched once before: CUDA's lazy loading of a kernel
+    # synchronizes the device, which would wait for a flag the blocked host has not written
+    torch.cuda._sleep(1)
+    kv_t.copy_(latents[0][0])
+    pe_t.copy_(latents[0][1])
+    torch.empty_like(ring_t[0]).copy_(ring_t[0])
+    # a deadlock fails the test instead of hanging the suite: the step is abandoned after 120 s
+    watchdog = threading.Timer(120, lambda: flags.abandon(torch.cuda.current_stream()))
+    watchdog.start()
+    try:
+        run(early=False)              # compiles
+        assert run(early=False) == 0
+        assert run(early=True) > 0    # the control: the patch read the previous layer's latents
+        # abandoned after layer 0: the chunk's slots made stale first, so a write would show
+        for c in work.caches:
+            c.view(-1, fmt.record_bytes)[work.slots] ^= 0x5A
+        torch.cuda.synchronize()
+        before = [c.clone() for c in work.caches]
+        s = begin()
+        flags.release(s, 0)
+        flags.torch_after(s, 0)
+        flags.abandon(s)
+        events.torch_after_jax(s)
+        torch.cuda.synchronize()
+        assert not torch.equal(work.caches[0], before[0])
+        assert all(torch.equal(work.caches[l], before[l]) for l in range(1, layers))
+        with pytest.raises(ValueError, match=r"layer: expected 1 \(layers are released in order\), got 2"):
+            begin()
+            flags.release(s, 0)
+            flags.release(s, 2)
+        flags.abandon(s)
+        torch.cuda.synchronize()
+    finally:
+        watchdog.cancel()
+        flags.abandon(torch.cuda.current_stream())

@@ -1,0 +1,208 @@
+"""`dcp_step.step_program`: a whole step's JAX work as one program, each layer's part behind its
+wait hook.  Off a GPU the hooks are JAX functions (or the native handlers, which only count);
+the GPU's flag waits are tested in test_interop_gpu.py."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dcp_scenario
+from ckv_jax import dcp_step, formats, full_ckv, placement
+from ckv_jax.step_plan import build_step_plan
+from helpers import copies_of_at_least, mesh_of
+from test_prefetch import _ancestors, _entry_instructions
+
+LAYERS = 4
+FINAL_LENS = np.array([45, 40, 70])
+HIST, QUERY = np.array([20, 0, 40]), np.array([17, 23, 18])
+
+
+class CapturingHooks:
+    """Hooks that send each layer's workspace to the host when it is signalled, and report the
+    step abandoned from layer `abandoned_from` on (None: never)."""
+
+    def __init__(self, depth, abandoned_from=None):
+        self.depth, self.abandoned_from = depth, abandoned_from
+        self.workspaces = {}
+
+    def wait(self, layer, arrays, *, platform):
+        word = int(self.abandoned_from is not None and layer >= self.abandoned_from)
+        return jnp.full((1,), word, jnp.uint32), arrays
+
+    def signal(self, layer, arrays, *, platform):
+        own = arrays[layer % (self.depth + 1)]
+        jax.debug.callback(functools.partial(self.workspaces.__setitem__, layer), own)
+        return arrays
+
+
+class CountingHooks:
+    """The native handlers (`interop.native_signal`), which off a GPU only count their calls:
+    the wait's `offset` attribute carries the layer + 1, the signal's `ready_event` the layer."""
+
+    def __init__(self):
+        from interop import native_signal
+        loaded = native_signal.load()
+        if loaded.library is None:
+            pytest.skip(loaded.why)
+        self.ns = native_signal
+        self.wait_state, self.signal_state = native_signal.new_state(), native_signal.new_state()
+        import array
+        self.base = array.array("I", [0])
+
+    def wait(self, layer, arrays, *, platform):
+        return self.ns.wait_flag(arrays, platform=platform, wait_fn=0, copy_fn=0, flag=0, base=self.base,
+                                 offset=layer + 1, abandon=0, state=self.wait_state)
+
+    def signal(self, layer, arrays, *, platform):
+        return self.ns.call(arrays, platform=platform, record_fn=0, wait_fn=0, ready_event=layer, then_wait=0,
+                            state=self.signal_state)
+
+
+def _step(d, fmt="fp8_ds_mla"):
+    """L layers' scenarios whose caches hold the history HIST, the step's plan, arrays, chunk
+    latents per layer and the caches placed on a D-device mesh."""
+    mesh = mesh_of(d)
+    layers = [dcp_scenario.build(d, 1, fmt, FINAL_LENS, FINAL_LENS, seed=3, kv_seed=50 + l, written=HIST)
+              for l in range(LAYERS)]
+    plan = build_step_plan(layers[0].layout, HIST + QUERY, QUERY, max_num_seqs=4, min_tokens=1)
+    capacity = 64
+    arrays = dcp_step.step_arrays(plan, layers[0].block_table, mesh, chunk_capacity=capacity)
+    chunks = []
+    for sc in layers:
+        kv = np.concatenate([sc.kv_c[r][h:h + n] for r, (h, n) in enumerate(zip(HIST, QUERY))])
+        pe = np.concatenate([sc.k_pe[r][h:h + n] for r, (h, n) in enumerate(zip(HIST, QUERY))])
+        pad = capacity - len(kv)
+        # rows past the step's tokens hold values the program must not write anywhere
+        chunks.append((np.concatenate([kv, np.full((pad, kv.shape[1]), 7, kv.dtype)]),
+                       np.concatenate([pe, np.full((pad, pe.shape[1]), 7, pe.dtype)])))
+    caches = [placement.place_caches(sc.caches, mesh) for sc in layers]
+    return mesh, layers, plan, arrays, chunks, caches
+
+
+def _ring(mesh, d, depth, plan):
+    rng = np.random.default_rng(9)
+    # poisoned: every row a layer reads must be written by the step
+    return tuple(placement.replicated(mesh, jnp.asarray(rng.integers(0, 256, (d * plan.padded_tokens + 16, 656),
+                                                                     dtype=np.uint8)))[0]
+                 for _ in range(depth + 1))
+
+
+@pytest.mark.parametrize("d, depth", [(1, 0), (2, 1), (1, 2), (2, 3)])     # every depth, both rank counts
+def test_the_step_program_gives_every_layer_its_synchronous_workspace_and_writes_every_cache(d, depth):
+    mesh, layers, plan, arrays, chunks, caches = _step(d)
+    fmt = formats.get("fp8_ds_mla")
+    hooks = CapturingHooks(depth)
+    before = [np.asarray(c) for c in caches]
+    ring, written = dcp_step.step_program(
+        _ring(mesh, d, depth, plan), tuple(caches), tuple(jnp.asarray(kv) for kv, _ in chunks),
+        tuple(jnp.asarray(pe) for _, pe in chunks), arrays, depth=depth, mesh=mesh, layout=fmt.layout, hooks=hooks,
+        implementation="xla")
+    jax.block_until_ready(written)
+    rows = d * plan.padded_tokens
+    assert sorted(hooks.workspaces) == list(range(LAYERS))
+    for l, sc in enumerate(layers):
+        want = dcp_scenario.expected_workspace(sc, seq_lens=HIST + QUERY, plan=plan)
+        np.testing.assert_array_equal(np.asarray(hooks.workspaces[l])[:rows], want, err_msg=f"layer {l}")
+        # the cache as the per-layer writer leaves it
+        kv, pe = chunks[l]
+        n = int(QUERY.sum())
+        expect = full_ckv.write_records_dcp(placement.place_caches([c for c in np.split(before[l], d)], mesh),
+                                            jnp.asarray(kv[:n]), jnp.asarray(pe[:n]), plan, sc.block_table,
+                                            mesh=mesh, format=fmt)
+        np.testing.assert_array_equal(np.asarray(jnp.copy(written[l])), np.asarray(expect), err_msg=f"layer {l}")
+    for l in range(max(0, LAYERS - depth - 1), LAYERS):       # the ring ends with the last layers' workspaces
+        np.testing.assert_array_equal(np.asarray(jnp.copy(ring[l % (depth + 1)]))[:rows],
+                                      np.asarray(hooks.workspaces[l])[:rows])
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_a_step_released_half_way_writes_no_cache_past_the_release(depth):
+    """Layers whose wait reports the step abandoned write nothing into their caches (their
+    latents never came); the layers before were written."""
+    d = 2
+    mesh, layers, plan, arrays, chunks, caches = _step(d)
+    fmt = formats.get("fp8_ds_mla")
+    before = [np.asarray(c) for c in caches]
+    hooks = CapturingHooks(depth, abandoned_from=2)
+    _, written = dcp_step.step_program(
+        _ring(mesh, d, depth, plan), tuple(caches), tuple(jnp.asarray(kv) for kv, _ in chunks),
+        tuple(jnp.asarray(pe) for _, pe in chunks), arrays, depth=depth, mesh=mesh, layout=fmt.layout, hooks=hooks,
+        implementation="xla")
+    for l in range(LAYERS):
+        after = np.asarray(jnp.copy(written[l]))
+        if l < 2:
+            assert (after != before[l]).any(), f"layer {l} was not written"
+        else:
+            np.testing.assert_array_equal(after, before[l], err_msg=f"layer {l} was written after the release")
+
+
+@pytest.mark.parametrize("d, depth", [(1, 1), (2, 2)])
+def test_the_step_program_orders_each_layer_behind_its_wait_and_copies_nothing(d, depth):
+    """In the compiled program layer l's wait precedes its signal, which precedes layer l + 1's
+    wait; every read of a later layer's cache (its prefetch) follows the signal of the layer
+    that issues it and precedes the next wait; and no slot or cache is copied."""
+    mesh, layers, plan, arrays, chunks, caches = _step(d)
+    fmt = formats.get("fp8_ds_mla")
+    hooks = CountingHooks()
+    args = (_ring(mesh, d, depth, plan), tuple(caches), (jnp.asarray(chunks[0][0]),), (jnp.asarray(chunks[0][1]),),
+            arrays)
+    kw = dict(depth=depth, mesh=mesh, layout=fmt.layout, hooks=hooks, implementation="xla")
+    hlo = dcp_step.step_program.lower(*args, **kw).compile().as_text()
+    cache_bytes = caches[0].size // d
+    slot_bytes = args[0][0].size
+    moved = copies_of_at_least(hlo, min(cache_bytes, slot_bytes))
+    assert not [c for c in moved if "dynamic-update-slice" not in c], moved
+    assert len(moved) <= (0 if d == 1 else LAYERS), moved     # D > 1: each all-gather's rows, at most once
+    ins = _entry_instructions(hlo)
+    ancestors = functools.partial(_ancestors, ins)
+
+    def calls(target, attr):
+        found = {}
+        for name, (_, _, line) in ins.items():
+            if "custom-call(" in line and target in line:
+                found[int(line.split(f"{attr} = ")[1].split(" ")[0]) - (attr == "offset")] = name
+        return found
+
+    waits, signals = calls("ckv_host_wait_flag", "offset"), calls("ckv_host_signal", "ready_event")
+    assert sorted(waits) == sorted(signals) == list(range(LAYERS))
+    cache_params = {int(line.split('op_name="caches[')[1].split("]")[0]): n for n, (_, _, line) in ins.items()
+                    if "parameter(" in line and 'op_name="caches[' in line}
+    for l in range(LAYERS):
+        assert waits[l] in ancestors(signals[l])
+        if l + 1 < LAYERS:
+            assert signals[l] in ancestors(waits[l + 1])
+        if l + depth < LAYERS:                 # layer l issues the prefetch of layer l + depth
+            param = cache_params[l + depth]
+            # (a bitcast reads nothing: it names the buffer for the layer's own writer, later)
+            readers = [n for n, (_, ops, line) in ins.items()
+                       if param in ops and "ckv_host" not in line and " bitcast(" not in line]
+            assert readers and all(signals[l] in ancestors(n) for n in readers), (l, readers)
+            if l + 1 < LAYERS:
+                assert all(n in ancestors(waits[l + 1]) for n in readers), (l, readers)
+    jax.block_until_ready(dcp_step.step_program(*args, **kw))
+    assert hooks.wait_state[0] == hooks.signal_state[0] == LAYERS * d     # once per layer and device
+
+
+def test_the_step_program_names_a_wrong_ring_or_chunk():
+    mesh, layers, plan, arrays, chunks, caches = _step(1)
+    fmt = formats.get("fp8_ds_mla")
+    kv, pe = (jnp.asarray(chunks[0][0]),), (jnp.asarray(chunks[0][1]),)
+    kw = dict(mesh=mesh, layout=fmt.layout, hooks=CapturingHooks(1), implementation="xla")
+    with pytest.raises(ValueError, match=r"ring: expected depth \+ 1 = 2 slots, got 3"):
+        dcp_step.step_program.lower(_ring(mesh, 1, 2, plan), tuple(caches), kv, pe, arrays, depth=1, **kw)
+    with pytest.raises(ValueError, match=r"kv_c, k_pe: expected one chunk buffer pair or one per layer \(4\), got 2"):
+        dcp_step.step_program.lower(_ring(mesh, 1, 1, plan), tuple(caches), kv * 2, pe * 2, arrays, depth=1, **kw)
+
+
+def test_the_native_flag_wait_names_a_wrong_base_or_state():
+    from interop import native_signal
+    import array
+    hooks = CountingHooks()                 # skips without the native library
+    x = jnp.zeros(4, jnp.uint8)
+    kw = dict(platform="cpu", wait_fn=0, copy_fn=0, flag=0, offset=1, abandon=0)
+    with pytest.raises(TypeError, match=r"base: expected an array.array\('I'\) of at least one word, got \[0\]"):
+        native_signal.wait_flag((x,), base=[0], state=hooks.wait_state, **kw)
+    with pytest.raises(TypeError, match=r"state: expected new_state\(\)"):
+        native_signal.wait_flag((x,), base=array.array("I", [0]), state=array.array("I", [0, 0]), **kw)
