@@ -210,3 +210,24 @@ def mesh_of(d):
     if len(devices) < d:
         pytest.fail(f"needs {d} devices; the test session sets JAX_NUM_CPU_DEVICES=4")
     return jax.make_mesh((d,), (DCP_AXIS,), devices=devices[:d])
+
+
+def ancestors(ins, name, seen=None):
+    """Every instruction `name` depends on, in `entry_instructions`' map."""
+    seen = set() if seen is None else seen
+    for op in ins.get(name, (0, [], ""))[1]:
+        if op not in seen:
+            seen.add(op)
+            ancestors(ins, op, seen)
+    return seen
+
+
+def entry_instructions(hlo_text):
+    """name -> (position, operand names) of the scheduled ENTRY computation of an optimized module."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    out = {}
+    for i, line in enumerate(entry.splitlines()[1:]):
+        m = re.match(r"\s*(?:ROOT )?(%[\w.-]+) = .*?[\w-]+\((.*?)\)", line)
+        if m:
+            out[m.group(1)] = (i, re.findall(r"%[\w.-]+", m.group(2)), line)
+    return out

@@ -1,6 +1,5 @@
 """The per-layer prefetch orchestrator: upstream's checklist (upstream-system.md 7.2) in JAX terms."""
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ from ckv_jax.prefetch import (PREFETCHES_PER_DISPATCH, PrefetchOrchestrator, Reg
                              target_layers)
 from ckv_jax.prefetch_config import GatherConfig
 from ckv_jax.step_plan import build_step_plan
-from helpers import copies_of_at_least, mesh_of
+from helpers import ancestors, copies_of_at_least, entry_instructions, mesh_of
 
 FINAL_LENS = np.array([45, 40, 70])
 # two chunked-prefill steps after a prefix: positions [h, h + q) are written in each step
@@ -452,27 +451,6 @@ def test_a_write_into_a_still_referenced_slot_loses_no_cache():
     np.testing.assert_array_equal(np.asarray(jnp.copy(ws))[:len(want)], want)
 
 
-def _ancestors(ins, name, seen=None):
-    """Every instruction `name` depends on, in `_entry_instructions`' map."""
-    seen = set() if seen is None else seen
-    for op in ins.get(name, (0, [], ""))[1]:
-        if op not in seen:
-            seen.add(op)
-            _ancestors(ins, op, seen)
-    return seen
-
-
-def _entry_instructions(hlo_text):
-    """name -> (position, operand names) of the scheduled ENTRY computation of an optimized module."""
-    entry = hlo_text[hlo_text.index("\nENTRY"):]
-    out = {}
-    for i, line in enumerate(entry.splitlines()[1:]):
-        m = re.match(r"\s*(?:ROOT )?(%[\w.-]+) = .*?[\w-]+\((.*?)\)", line)
-        if m:
-            out[m.group(1)] = (i, re.findall(r"%[\w.-]+", m.group(2)), line)
-    return out
-
-
 @pytest.mark.parametrize("kind", sorted(SIGNALS))
 @pytest.mark.parametrize("d", [1, 2])
 def test_the_layer_program_signals_after_its_patch_and_before_its_prefetches(d, kind):
@@ -497,24 +475,24 @@ def test_the_layer_program_signals_after_its_patch_and_before_its_prefetches(d, 
                                                               implementation="xla", signal=SIGNALS[kind]()))(
         slots[0], None, kv, pe, arrays, (cache, cache), tuple(slots[1:]))
     assert not traced.effects        # an effect would cost every call jax's slow dispatch path
-    ins = _entry_instructions(hlo)
+    ins = entry_instructions(hlo)
     target = "callback" if kind == "callback" else "ckv_host_signal"
     callbacks = [n for n, (_, _, line) in ins.items() if "custom-call(" in line and target in line]
     assert len(callbacks) == 1, callbacks
     callback = callbacks[0]
 
-    ancestors = functools.partial(_ancestors, ins)
+    above = functools.partial(ancestors, ins)
 
     cache_params = [n for n, (_, _, line) in ins.items() if 'op_name="prefetch_caches' in line]
     assert len(cache_params) == 2, cache_params
     readers = [n for n, (_, ops, _) in ins.items() if set(ops) & set(cache_params)]
-    assert readers and all(callback in ancestors(n) for n in readers), readers
+    assert readers and all(callback in above(n) for n in readers), readers
     assert all(ins[n][0] > ins[callback][0] for n in readers)
     patched = ins[callback][1][0]           # the callback's first operand: the patched slot
     slot_param = [n for n, (_, _, line) in ins.items() if 'op_name="slot"' in line]
-    assert "parameter(" not in ins[patched][2] and slot_param[0] in ancestors(patched)
+    assert "parameter(" not in ins[patched][2] and slot_param[0] in above(patched)
     root = [n for n, (_, _, line) in ins.items() if line.lstrip().startswith("ROOT")][0]
-    assert callback in ancestors(ins[root][1][0])      # the workspace returned is what passed through it
+    assert callback in above(ins[root][1][0])      # the workspace returned is what passed through it
 
 
 @pytest.mark.parametrize("d", [1, 2])
@@ -532,15 +510,15 @@ def test_the_layer_program_writes_its_cache_in_place_before_the_signal(d):
                                        mesh=mesh, layout=fmt.layout, implementation="xla",
                                        signal=SIGNALS["native"]()).compile().as_text()
     assert copies_of_at_least(hlo, 64 * 64 * 656) == []
-    ins = _entry_instructions(hlo)
+    ins = entry_instructions(hlo)
     callback = [n for n, (_, _, line) in ins.items() if "custom-call(" in line and "ckv_host_signal" in line][0]
     cache_param = [n for n, (_, _, line) in ins.items() if 'op_name="write_cache"' in line and "parameter(" in line]
     # operands: the workspace, the written cache, and the prefetch's slot (one rank) or local_cu
     assert len(cache_param) == 1 and len(ins[callback][1]) == 3, ins[callback][2]
     written = ins[callback][1][1]            # the callback's second operand: the written cache
 
-    ancestors = functools.partial(_ancestors, ins)
-    assert cache_param[0] in ancestors(written) | {written}
+    above = functools.partial(ancestors, ins)
+    assert cache_param[0] in above(written) | {written}
     with pytest.raises(ValueError, match="gather_written: gathers the cache this program writes; pass write_cache"):
         dcp_step.layer_program.lower(slots[0], cache, kv, pe, arrays, gather_written=True, mesh=mesh, layout=fmt.layout)
 

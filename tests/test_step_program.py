@@ -11,8 +11,7 @@ import pytest
 import dcp_scenario
 from ckv_jax import dcp_step, formats, full_ckv, placement
 from ckv_jax.step_plan import build_step_plan
-from helpers import copies_of_at_least, mesh_of
-from test_prefetch import _ancestors, _entry_instructions
+from helpers import ancestors, copies_of_at_least, entry_instructions, mesh_of
 
 LAYERS = 4
 FINAL_LENS = np.array([45, 40, 70])
@@ -155,8 +154,8 @@ def test_the_step_program_orders_each_layer_behind_its_wait_and_copies_nothing(d
     moved = copies_of_at_least(hlo, min(cache_bytes, slot_bytes))
     assert not [c for c in moved if "dynamic-update-slice" not in c], moved
     assert len(moved) <= (0 if d == 1 else LAYERS), moved     # D > 1: each all-gather's rows, at most once
-    ins = _entry_instructions(hlo)
-    ancestors = functools.partial(_ancestors, ins)
+    ins = entry_instructions(hlo)
+    above = functools.partial(ancestors, ins)
 
     def calls(target, attr):
         found = {}
@@ -170,17 +169,17 @@ def test_the_step_program_orders_each_layer_behind_its_wait_and_copies_nothing(d
     cache_params = {int(line.split('op_name="caches[')[1].split("]")[0]): n for n, (_, _, line) in ins.items()
                     if "parameter(" in line and 'op_name="caches[' in line}
     for l in range(LAYERS):
-        assert waits[l] in ancestors(signals[l])
+        assert waits[l] in above(signals[l])
         if l + 1 < LAYERS:
-            assert signals[l] in ancestors(waits[l + 1])
+            assert signals[l] in above(waits[l + 1])
         if l + depth < LAYERS:                 # layer l issues the prefetch of layer l + depth
             param = cache_params[l + depth]
             # (a bitcast reads nothing: it names the buffer for the layer's own writer, later)
             readers = [n for n, (_, ops, line) in ins.items()
                        if param in ops and "ckv_host" not in line and " bitcast(" not in line]
-            assert readers and all(signals[l] in ancestors(n) for n in readers), (l, readers)
+            assert readers and all(signals[l] in above(n) for n in readers), (l, readers)
             if l + 1 < LAYERS:
-                assert all(n in ancestors(waits[l + 1]) for n in readers), (l, readers)
+                assert all(n in above(waits[l + 1]) for n in readers), (l, readers)
     jax.block_until_ready(dcp_step.step_program(*args, **kw))
     assert hooks.wait_state[0] == hooks.signal_state[0] == LAYERS * d     # once per layer and device
 
