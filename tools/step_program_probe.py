@@ -10,10 +10,11 @@ dispatches the program (before the step's first event, as the adapter's begin_st
 host_us_per_layer = (that begin-step + every layer's release and wait) / L, the adapter's the
 median layer's `set_current_chunk` + `gather` (as `interop.bench`).
 
-  check     per layer torch sleeps 20 ms, writes that layer's own latents into the chunk buffers,
-            then releases it; the workspace torch reads after the event must equal the pre-step
-            gather with the layer's records in its chunk rows, and so must the written cache's
-            gather.  The control releases before the latents are written and must differ.
+  check     per layer torch sleeps (2e7 cycles, 10-20 ms), writes that layer's own latents into
+            the chunk buffers, then releases it; the workspace torch reads after the event must
+            equal the pre-step gather with the layer's records in its chunk rows, and so must the
+            written cache's gather.  The control releases before the latents are written and
+            must differ.
   abandon   a step released for 3 of L layers, then abandoned: the later caches keep every byte
             and the stream drains.
   hazard    a device-wide synchronization (torch.cuda.synchronize) after layer 0's release blocks
