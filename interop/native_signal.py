@@ -33,6 +33,9 @@ import numpy as np
 SOURCE = Path(__file__).with_name("native") / "stream_signal.cc"
 GPU_TARGET, HOST_TARGET = "ckv_stream_signal", "ckv_host_signal"
 GPU_WAIT_TARGET, HOST_WAIT_TARGET = "ckv_stream_wait_flag", "ckv_host_wait_flag"
+# cuStreamWaitValue32 / cuStreamWriteValue32(stream, device address, value, flags) as a ctypes
+# function type, to call `flag_functions`' addresses from Python
+STREAM_VALUE_OP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +106,11 @@ def new_state() -> array.array:
     return array.array("Q", [0, 0])
 
 
+def _check_state(state):
+    if not isinstance(state, array.array) or state.typecode != "Q" or len(state) != 2:
+        raise TypeError(f"state: expected new_state() (array.array('Q') of 2 words), got {state!r}")
+
+
 def call(arrays: tuple, *, platform: str, record_fn: int, wait_fn: int, ready_event: int, then_wait: int,
          state: array.array) -> tuple:
     """`arrays`, unchanged, through the native signal (see the comment atop the C++ file): on a
@@ -110,8 +118,7 @@ def call(arrays: tuple, *, platform: str, record_fn: int, wait_fn: int, ready_ev
     makes the stream wait on that event; elsewhere it only counts.  state: `new_state()`, which
     the handler updates; it must outlive every program that calls it (and never be resized).
     The operands are aliased to the results (no copy of a buffer the program owns)."""
-    if not isinstance(state, array.array) or state.typecode != "Q" or len(state) != 2:
-        raise TypeError(f"state: expected new_state() (array.array('Q') of 2 words), got {state!r}")
+    _check_state(state)
     shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
     target = GPU_TARGET if platform == "gpu" else HOST_TARGET
     attrs = dict(record_fn=record_fn, wait_fn=wait_fn, ready_event=ready_event, then_wait=then_wait,
@@ -128,8 +135,7 @@ def wait_flag(arrays: tuple, *, platform: str, wait_fn: int, copy_fn: int, flag:
     one program serves every step), then `abandoned` receives the u32 at device address
     `abandon`; elsewhere `abandoned` is 0.  state: as for `call`.  The operands are aliased to
     the results after `abandoned`."""
-    if not isinstance(state, array.array) or state.typecode != "Q" or len(state) != 2:
-        raise TypeError(f"state: expected new_state() (array.array('Q') of 2 words), got {state!r}")
+    _check_state(state)
     if not isinstance(base, array.array) or base.typecode != "I" or len(base) < 1:
         raise TypeError(f"base: expected an array.array('I') of at least one word, got {base!r}")
     shapes = (jax.ShapeDtypeStruct((1,), np.uint32),) + tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)

@@ -300,8 +300,7 @@ class StepFlags:
             event.record(jax_stream)                # created now: their handles go into the program
         self._wait_fn, self._copy_fn, write_fn = native_signal.flag_functions()
         self._record_fn, self._event_wait_fn = native_signal.driver_functions()
-        self._write = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
-                                       ctypes.c_uint)(write_fn)
+        self._write = native_signal.STREAM_VALUE_OP(write_fn)
         self.wait_state, self.signal_state = native_signal.new_state(), native_signal.new_state()
         self.released = layers                      # layers of the current step released so far
 
@@ -371,8 +370,10 @@ def _make_context_current(index: int):
     if cuda.cuCtxGetCurrent(ctypes.byref(current)) == 0 and current.value:
         return
     device, context = ctypes.c_int(), ctypes.c_void_p()
-    for rc, what in ((cuda.cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet"),
-                     (cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain"),
-                     (cuda.cuCtxSetCurrent(context), "cuCtxSetCurrent")):
+    # each call only after the one before succeeded: a failed lookup leaves its output unset
+    for what, call in (("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(device), index)),
+                       ("cuDevicePrimaryCtxRetain", lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)),
+                       ("cuCtxSetCurrent", lambda: cuda.cuCtxSetCurrent(context))):
+        rc = call()
         if rc != 0:
             raise RuntimeError(f"{what} failed with CUresult {rc}")

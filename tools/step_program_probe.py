@@ -49,16 +49,15 @@ class FlagStep:
     """One depth's step program over a `bench.Workload`'s torch caches, driven by flags."""
 
     def __init__(self, work: bench.Workload, depth: int, stream: int):
-        self.work, self.depth = work, depth
+        self.depth = depth
         device = jax.devices()[0]
         self.mesh = jax.make_mesh((1,), (placement.DCP_AXIS,), devices=[device])
         self.events = stream_handoff.StreamEvents(torch.device("cuda", 0), stream)
         self.flags = stream_handoff.StepFlags(torch.device("cuda", 0), self.events.jax_stream, stream,
                                               layers=len(work.caches))
         plan = work.plan
-        self.rows = plan.padded_tokens
         chunk = plan.num_tokens
-        self.ring_t = [torch.zeros((self.rows, bench.FMT.record_bytes), dtype=torch.uint8, device="cuda")
+        self.ring_t = [torch.zeros((plan.padded_tokens, bench.FMT.record_bytes), dtype=torch.uint8, device="cuda")
                        for _ in range(depth + 1)]
         self.kv_t = torch.empty((chunk, 512), dtype=torch.bfloat16, device="cuda")
         self.pe_t = torch.empty((chunk, 64), dtype=torch.bfloat16, device="cuda")

@@ -31,22 +31,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from interop import bench, bridge, stream_handoff  # noqa: E402
+from interop import bench, bridge, native_signal, stream_handoff  # noqa: E402
 
 WAIT_GEQ = 0x0                 # CU_STREAM_WAIT_VALUE_GEQ
 WRITE_DEFAULT = 0x0            # CU_STREAM_WRITE_VALUE_DEFAULT (a memory barrier before the write)
-
-
-def driver_function(cuda: ctypes.CDLL, name: str):
-    """The driver's `name`, in its _v2 form where the driver exports one (the stream memory
-    operations' v1 entry points may be disabled)."""
-    for symbol in (name + "_v2", name):
-        fn = getattr(cuda, symbol, None)
-        if fn is not None:
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-            return fn
-    raise RuntimeError(f"libcuda exports neither {name}_v2 nor {name}")
 
 
 def checked(result: int, what: str):
@@ -79,8 +67,8 @@ def main(argv=None) -> int:
     if found.stream is None:
         print(f"JAX's compute stream was not found: {found.why}", file=sys.stderr)
         return 2
-    cuda = ctypes.CDLL("libcuda.so.1")
-    write_value, wait_value = driver_function(cuda, "cuStreamWriteValue32"), driver_function(cuda, "cuStreamWaitValue32")
+    wait_fn, _, write_fn = native_signal.flag_functions()
+    write_value, wait_value = native_signal.STREAM_VALUE_OP(write_fn), native_signal.STREAM_VALUE_OP(wait_fn)
     jax_stream = ctypes.c_void_p(found.stream)
     torch_stream = torch.cuda.current_stream()
     torch_handle = ctypes.c_void_p(torch_stream.cuda_stream)
