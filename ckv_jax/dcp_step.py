@@ -479,13 +479,11 @@ def _bound_layer_program(mesh, layout, axis_name, implementation, interpret, til
     return jax.jit(program, static_argnames=_LAYER_PROGRAM_PER_CALL, donate_argnames=_LAYER_PROGRAM_DONATED)
 
 
-def _through_hook(hook, layer: int, ring: list, cache=None, small=(), *, mesh, axis_name, platform,
-                  word: bool = False):
+def _through_hook(hook, layer: int, ring: list, cache=None, small=(), *, mesh, axis_name, platform):
     """The ring slots (replicated), one layer's sharded cache if given, and `small` replicated
     arrays through `hook(layer, arrays, platform=)` on every device, aliased (no copy of a buffer
-    the program owns; a parameter among `small` is copied first).  With `word` the hook returns
-    (a u32[1], the arrays).  Returns (that word or None, the slots, the cache or None, the small
-    arrays)."""
+    the program owns or was donated; any other parameter among `small` is copied first).
+    Returns (the slots, the cache or None, the small arrays)."""
     small = tuple(small)
     passing, specs = list(ring) + list(small), [P()] * (len(ring) + len(small))
     if cache is not None:       # as rows: a 3-D buffer would be copied through the call
@@ -493,16 +491,15 @@ def _through_hook(hook, layer: int, ring: list, cache=None, small=(), *, mesh, a
         specs.append(P(axis_name))
     specs = tuple(specs)
     outs = jax.shard_map(lambda *a: hook(layer, a, platform=platform), mesh=mesh, in_specs=specs,
-                         out_specs=(P(), specs) if word else specs, check_vma=False)(*passing)
-    first, outs = (outs[0], outs[1]) if word else (None, outs)
+                         out_specs=specs, check_vma=False)(*passing)
     slots, small = list(outs[:len(ring)]), tuple(outs[len(ring):len(ring) + len(small)])
-    return first, slots, None if cache is None else outs[-1].reshape(cache.shape), small
+    return slots, None if cache is None else outs[-1].reshape(cache.shape), small
 
 
 @functools.partial(jax.jit, static_argnames=("depth", "mesh", "axis_name", "layout", "implementation", "interpret",
                                              "tiles", "prefetch_tiles", "hooks"),
-                   donate_argnames=("ring", "caches"))
-def step_program(ring, caches, kv_c, k_pe, arrays: StepArrays, *, depth: int, mesh, layout: RecordLayout,
+                   donate_argnames=("ring", "caches", "flags"))
+def step_program(ring, caches, flags, kv_c, k_pe, arrays: StepArrays, *, depth: int, mesh, layout: RecordLayout,
                  hooks, axis_name: str = DCP_AXIS, implementation=None, interpret: bool = False, tiles=None,
                  prefetch_tiles=None):
     """A whole step's JAX work for L layers as one program, queued ahead of the consumer that
@@ -511,35 +508,40 @@ def step_program(ring, caches, kv_c, k_pe, arrays: StepArrays, *, depth: int, me
 
       ring:   depth + 1 slots u8[D * C, R] (replicated, donated, updated in place)
       caches: L sharded caches u8[D * num_blocks, block_size, R] (donated, written in place)
+      flags:  i32[L + 1] (replicated, donated): the hooks' words, [L] the abandon word, read
+              after each wait (on a GPU `StepFlags.words` itself)
       kv_c, k_pe: tuples of [C', nope_dim] and bf16[C', rope_dim] chunk buffers (C' =
               `arrays.chunk_rows` rows): one pair, which holds each layer's latents when that
               layer's wait is released (the consumer rewrites it between layers), or L pairs
 
     The program first gathers layers 0..depth-1 into slots 0..depth-1; then for layer l:
 
-      1. `hooks.wait(l, arrays, platform=)` -> (abandoned u32[1], arrays): the rest waits there
-         until the consumer released layer l (its latents are in the chunk buffers, its reads of
-         slot (l - 1) % (depth + 1) are done); `abandoned` is read after the wait, and where it
-         is not 0 this layer writes nothing into its cache or its slot's chunk rows (a step
-         released without its latents);
+      1. `hooks.wait(l, arrays, platform=)` -> arrays, the ring slots and then `flags`: the rest
+         waits there until the consumer released layer l (its latents are in the chunk buffers,
+         its reads of slot (l - 1) % (depth + 1) are done); the abandon word `flags[L]` is read
+         from the wait's result, and where it is not 0 this layer writes nothing into its cache
+         or its slot's chunk rows (a step released without its latents);
       2. the chunk written into caches[l] and, with depth > 0, patched into slot l % (depth + 1)
          by one writer call (depth 0: the slot gathered from the written cache);
       3. `hooks.signal(l, arrays, platform=)` -> arrays: layer l's workspace is ready;
       4. the gather of layer l + depth (its pre-step cache) into slot (l + depth) % (depth + 1).
 
     Both hooks take and return all ring slots (the signal also the layer's written cache, as
-    rows), aliased, and the writer takes the word the wait returned, so the steps of one layer
+    rows), aliased, and the writer takes the word read after the wait, so the steps of one layer
     and the layers follow each other in that order on the program's stream (no schedule can
     hoist a later layer's work over a wait, or a prefetch over a signal).  hooks: static,
     hashable; on a GPU `interop.stream_handoff.StepFlags` (native flag waits and event records),
     whose docstring names the hazard of a program that waits for the host.
-    Returns (the ring slots, the caches)."""
+    Returns (the ring slots, the caches, flags)."""
     num_layers = len(caches)
     if len(ring) != depth + 1:
         raise ValueError(f"ring: expected depth + 1 = {depth + 1} slots, got {len(ring)}")
     if len(kv_c) != len(k_pe) or len(kv_c) not in (1, num_layers):
         raise ValueError(f"kv_c, k_pe: expected one chunk buffer pair or one per layer ({num_layers}), "
                          f"got {len(kv_c)} and {len(k_pe)}")
+    if flags.shape != (num_layers + 1,) or flags.dtype != jnp.int32:
+        raise ValueError(f"flags: expected int32[{num_layers + 1}] (a word a layer and the abandon word), "
+                         f"got {flags.dtype}{list(flags.shape)}")
     platform = placement.mesh_device(mesh).platform
     gather = functools.partial(_gather_over_mesh, arrays=arrays, mesh=mesh, axis_name=axis_name,
                                implementation=implementation, interpret=interpret)
@@ -552,12 +554,13 @@ def step_program(ring, caches, kv_c, k_pe, arrays: StepArrays, *, depth: int, me
         ring[t] = gather(caches[t], out=ring[t], tiles=prefetch_tiles)
     for l in range(num_layers):
         own = l % slots
-        # the wait passes the slots only (the cache, a parameter, would be copied through it); the
-        # writer follows it through `live`, which the word read after the wait decides
-        abandoned, ring, _, _ = through(hooks.wait, l, ring, word=True)
+        # the wait passes the slots and flags only (the cache, a parameter, would be copied
+        # through it); the writer follows it through `live`, which the word read after it decides
+        ring, _, (flags,) = through(hooks.wait, l, ring, small=(flags,))
         # a released step writes nothing more: its chunk buffers hold no latents of this layer
-        live = dataclasses.replace(arrays, slots=jnp.where(abandoned[0] == 0, arrays.slots, -1),
-                                   chunk_rows=jnp.where(abandoned[0] == 0, arrays.chunk_rows, -1))
+        live_step = flags[num_layers] == 0
+        live = dataclasses.replace(arrays, slots=jnp.where(live_step, arrays.slots, -1),
+                                   chunk_rows=jnp.where(live_step, arrays.chunk_rows, -1))
         chunk = (kv_c[l % len(kv_c)], k_pe[l % len(k_pe)])
         if depth:
             caches[l], ring[own] = write(caches[l], *chunk, live, ring[own])
@@ -567,9 +570,9 @@ def step_program(ring, caches, kv_c, k_pe, arrays: StepArrays, *, depth: int, me
         # with several ranks a prefetch's pack writes a buffer of its own: local_cu, which it
         # reads, passes through the signal too, so the pack follows it
         following = () if one_rank else (arrays.local_cu,)
-        _, ring, caches[l], following = through(hooks.signal, l, ring, caches[l], following)
+        ring, caches[l], following = through(hooks.signal, l, ring, caches[l], following)
         if depth and l + depth < num_layers:
             t = (l + depth) % slots
             after_signal = arrays if one_rank else dataclasses.replace(arrays, local_cu=following[0])
             ring[t] = gather(caches[l + depth], arrays=after_signal, out=ring[t], tiles=prefetch_tiles)
-    return tuple(ring), tuple(caches)
+    return tuple(ring), tuple(caches), flags

@@ -1,8 +1,9 @@
-"""The native forms of the in-program stream hooks (`native/stream_signal.cc`): the signal (an
-event recorded where a layer's workspace is ready) and the flag wait (a program queued ahead
-waits for a word torch writes).  XLA FFI handlers, built on first use with the host's C++
-compiler against the installed jaxlib's FFI headers (`jax.ffi.include_dir()`, so they always
-match the running XLA), cached on disk, and registered with JAX.  The handlers run in native
+"""The native forms of the in-program stream hooks (`native/stream_signal.cc`): a layer program's
+signal (an event recorded where its workspace is ready), and a step program's signal and flag
+wait (a program queued ahead waits for a word torch writes), which XLA may record into a CUDA
+graph and replay.  XLA FFI handlers, built on first use with the host's C++ compiler against the
+installed jaxlib's FFI headers (`jax.ffi.include_dir()`, so they always match the running XLA),
+cached on disk, and registered with JAX.  The handlers run in native
 code where the Python `buffer_callback` costs each layer's dispatch a Python call
 (BENCHMARKS.md, ninth session: 19-27 us traced, 44 us alone).
 
@@ -33,6 +34,7 @@ import numpy as np
 SOURCE = Path(__file__).with_name("native") / "stream_signal.cc"
 GPU_TARGET, HOST_TARGET = "ckv_stream_signal", "ckv_host_signal"
 GPU_WAIT_TARGET, HOST_WAIT_TARGET = "ckv_stream_wait_flag", "ckv_host_wait_flag"
+GPU_STEP_SIGNAL, HOST_STEP_SIGNAL = "ckv_stream_step_signal", "ckv_host_step_signal"
 # cuStreamWaitValue32 / cuStreamWriteValue32(stream, device address, value, flags) as a ctypes
 # function type, to call `flag_functions`' addresses from Python
 STREAM_VALUE_OP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
@@ -82,6 +84,8 @@ def load() -> Loaded:
         jax.ffi.register_ffi_target(HOST_TARGET, jax.ffi.pycapsule(handle.CkvHostSignal), platform="cpu")
         jax.ffi.register_ffi_target(GPU_WAIT_TARGET, jax.ffi.pycapsule(handle.CkvStreamWaitFlag), platform="CUDA")
         jax.ffi.register_ffi_target(HOST_WAIT_TARGET, jax.ffi.pycapsule(handle.CkvHostWaitFlag), platform="cpu")
+        jax.ffi.register_ffi_target(GPU_STEP_SIGNAL, jax.ffi.pycapsule(handle.CkvStreamStepSignal), platform="CUDA")
+        jax.ffi.register_ffi_target(HOST_STEP_SIGNAL, jax.ffi.pycapsule(handle.CkvHostStepSignal), platform="cpu")
     except (OSError, subprocess.CalledProcessError, AttributeError, ValueError, RuntimeError) as e:
         detail = getattr(e, "stderr", "") or ""
         return Loaded(None, f"native stream signal unavailable: {type(e).__name__}: {e} {detail[-2000:]}".rstrip())
@@ -113,9 +117,9 @@ def _check_state(state):
 
 def call(arrays: tuple, *, platform: str, record_fn: int, wait_fn: int, ready_event: int, then_wait: int,
          state: array.array) -> tuple:
-    """`arrays`, unchanged, through the native signal (see the comment atop the C++ file): on a
-    GPU it records `ready_event` on the program's stream there, then (when `then_wait` is not 0)
-    makes the stream wait on that event; elsewhere it only counts.  state: `new_state()`, which
+    """`arrays`, unchanged, through the layer program's native signal (see the comment atop the
+    C++ file): on a GPU it records `ready_event` on the program's stream there, then (when
+    `then_wait` is not 0) makes the stream wait on that event; elsewhere it only counts.  state: `new_state()`, which
     the handler updates; it must outlive every program that calls it (and never be resized).
     The operands are aliased to the results (no copy of a buffer the program owns)."""
     _check_state(state)
@@ -127,38 +131,55 @@ def call(arrays: tuple, *, platform: str, record_fn: int, wait_fn: int, ready_ev
         *arrays, **{k: np.uint64(v) for k, v in attrs.items()}))
 
 
-def wait_flag(arrays: tuple, *, platform: str, wait_fn: int, copy_fn: int, flag: int, base: array.array,
-              offset: int, abandon: int, state: array.array) -> tuple:
-    """(abandoned u32[1], `arrays` unchanged) through the native flag wait (see the C++ file): on a
-    GPU the program's stream waits there until the u32 at device address `flag` reaches
-    `base[0] + offset` (base: a host `array.array('I')` read while the program is enqueued, so
-    one program serves every step), then `abandoned` receives the u32 at device address
-    `abandon`; elsewhere `abandoned` is 0.  state: as for `call`.  The operands are aliased to
-    the results after `abandoned`."""
+def step_signal(arrays: tuple, *, platform: str, record_fn: int, capturing_fn: int, ready_event: int,
+                state: array.array) -> tuple:
+    """`arrays`, unchanged, through a step program's signal (see the C++ file): on a GPU it
+    records `ready_event` on the program's stream, as an external event node where XLA records
+    the program into a command buffer; elsewhere it only counts.  record_fn, capturing_fn:
+    cuEventRecordWithFlags and cuStreamIsCapturing (`capture_functions`).  state: as for `call`;
+    it counts executions and recordings, not replays."""
     _check_state(state)
-    if not isinstance(base, array.array) or base.typecode != "I" or len(base) < 1:
-        raise TypeError(f"base: expected an array.array('I') of at least one word, got {base!r}")
-    shapes = (jax.ShapeDtypeStruct((1,), np.uint32),) + tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+    target = GPU_STEP_SIGNAL if platform == "gpu" else HOST_STEP_SIGNAL
+    attrs = dict(record_fn=record_fn, capturing_fn=capturing_fn, ready_event=ready_event, state=state.buffer_info()[0])
+    return tuple(jax.ffi.ffi_call(target, shapes, input_output_aliases={i: i for i in range(len(arrays))})(
+        *arrays, **{k: np.uint64(v) for k, v in attrs.items()}))
+
+
+def wait_flag(arrays: tuple, *, platform: str, wait_fn: int, write_fn: int, flag: int, state: array.array) -> tuple:
+    """`arrays`, unchanged, through a step program's flag wait (see the C++ file): on a GPU the
+    program's stream waits until the u32 at device address `flag` is 1, then writes it back to
+    0; elsewhere it only counts.  Nothing is read from the host while the program is enqueued,
+    so a command buffer recorded once replays it.  wait_fn, write_fn: `flag_functions`.  state:
+    as for `step_signal`.  The operands are aliased to the results."""
+    _check_state(state)
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
     target = GPU_WAIT_TARGET if platform == "gpu" else HOST_WAIT_TARGET
-    attrs = dict(wait_fn=wait_fn, copy_fn=copy_fn, flag=flag, base=base.buffer_info()[0], offset=offset,
-                 abandon=abandon, state=state.buffer_info()[0])
-    out = jax.ffi.ffi_call(target, shapes, input_output_aliases={i: i + 1 for i in range(len(arrays))})(
-        *arrays, **{k: np.uint64(v) for k, v in attrs.items()})
-    return out[0], tuple(out[1:])
+    attrs = dict(wait_fn=wait_fn, write_fn=write_fn, flag=flag, state=state.buffer_info()[0])
+    return tuple(jax.ffi.ffi_call(target, shapes, input_output_aliases={i: i for i in range(len(arrays))})(
+        *arrays, **{k: np.uint64(v) for k, v in attrs.items()}))
 
 
-def flag_functions() -> tuple[int, int, int]:
-    """The addresses of the CUDA driver's cuStreamWaitValue32, cuMemcpyDtoDAsync and
-    cuStreamWriteValue32, in their _v2 forms where the driver exports them (the stream memory
-    operations' v1 entry points may be disabled)."""
+def flag_functions() -> tuple[int, int]:
+    """The addresses of the CUDA driver's cuStreamWaitValue32 and cuStreamWriteValue32, in their
+    _v2 forms where the driver exports them (the stream memory operations' v1 entry points may
+    be disabled)."""
     cuda = ctypes.CDLL("libcuda.so.1")
     found = []
-    for name in ("cuStreamWaitValue32", "cuMemcpyDtoDAsync", "cuStreamWriteValue32"):
+    for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):
         fn = getattr(cuda, name + "_v2", None) or getattr(cuda, name, None)
         if fn is None:
             raise RuntimeError(f"libcuda exports neither {name}_v2 nor {name}")
         found.append(ctypes.cast(fn, ctypes.c_void_p).value)
     return tuple(found)
+
+
+def memset_d32():
+    """The CUDA driver's cuMemsetD32Async(device address, value, count, stream) as a ctypes function."""
+    fn = ctypes.CDLL("libcuda.so.1").cuMemsetD32Async
+    fn.argtypes = (ctypes.c_uint64, ctypes.c_uint32, ctypes.c_size_t, ctypes.c_void_p)
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def driver_functions() -> tuple[int, int]:
@@ -167,3 +188,11 @@ def driver_functions() -> tuple[int, int]:
     runtime's)."""
     cuda = ctypes.CDLL("libcuda.so.1")
     return tuple(ctypes.cast(getattr(cuda, name), ctypes.c_void_p).value for name in ("cuEventRecord", "cuStreamWaitEvent"))
+
+
+def capture_functions() -> tuple[int, int]:
+    """The addresses of the CUDA driver's cuEventRecordWithFlags and cuStreamIsCapturing (the
+    step signal's)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    return tuple(ctypes.cast(getattr(cuda, name), ctypes.c_void_p).value
+                 for name in ("cuEventRecordWithFlags", "cuStreamIsCapturing"))

@@ -25,7 +25,6 @@ overwrite a ring slot that a caller still holds.
 """
 from __future__ import annotations
 
-import array
 import ctypes
 import dataclasses
 import functools
@@ -264,17 +263,22 @@ class StepFlags:
     side of them: per layer torch writes one 32-bit flag and waits on one event, where the
     per-layer protocol (`StreamEvents`) costs a program dispatch.
 
-    `words` (torch int32[2] on the GPU): [0] the flag, which torch's stream raises to
-    `base + l + 1` when layer l's latents are in the chunk buffers and its reads of the slot the
-    layer's prefetch overwrites are queued (`release`); [1] the abandon word, which the program
-    reads after each wait.  Layer l's wait in the program holds JAX's stream until the flag
-    reaches that value (native `cuStreamWaitValue32`, `interop.native_signal.wait_flag`); its
-    signal records `events[l]`, which torch's stream waits on before reading the workspace
-    (`torch_after`).  `base` (host) moves on by `layers` each step (`next_step`), so the flag
-    only ever grows (the wait's comparison is cyclic, so it may wrap) and one compiled program
-    serves every step.  A step left half-way must be released (`abandon`), or JAX's stream
-    waits forever: the abandon word set first makes the rest of the program write nothing into
-    the caches.  Hashable by identity: the static `hooks` argument of the program.
+    `words` (torch int32[layers + 1] on the GPU): [l] layer l's flag, which torch's stream sets
+    to 1 when the layer's latents are in the chunk buffers and its reads of the slot the layer's
+    prefetch overwrites are queued (`release`); [layers] the abandon word.  The program takes
+    `words` itself, imported into JAX and donated (its `flags`), and passes it through every
+    wait: layer l's wait holds JAX's stream until its flag is 1 and sets it back to 0 (native
+    `cuStreamWaitValue32` and `cuStreamWriteValue32`, `interop.native_signal.wait_flag`), and
+    the program reads the abandon word from it after the wait.  Layer l's signal records
+    `events[l]`, which torch's stream waits on before reading the workspace (`torch_after`).
+    Nothing the hooks touch depends on the step or lives in XLA's scratch memory, so XLA records
+    the program into a CUDA graph at its second execution and replays it from the third, at a
+    fraction of the per-thunk dispatch (BENCHMARKS.md).  `next_step` zeroes every word again on
+    torch's stream, after torch's stream waited for the last step's program: no flag left set
+    (by an abandonment of a step whose program never ran) releases a layer of the next step
+    early.  A step left half-way must be released (`abandon`), or JAX's stream waits forever:
+    the abandon word set first makes the rest of the program write nothing into the caches.
+    Hashable by identity: the static `hooks` argument of the program.
 
     The hazard of a program queued ahead: while a step is not fully released, any device-wide
     synchronization on the host (torch.cuda.synchronize, cudaFree when torch's allocator frees
@@ -293,52 +297,60 @@ class StepFlags:
         if isinstance(layers, bool) or not isinstance(layers, int) or layers <= 0:
             raise ValueError(f"layers: expected a positive number of layers, got {layers!r}")
         self.layers, self._handle = layers, handle
-        self.words = torch.zeros(2, dtype=torch.int32, device=device)
-        self.base = array.array("I", [0])
+        self.words = torch.zeros(layers + 1, dtype=torch.int32, device=device)
         self.events = [torch.cuda.Event() for _ in range(layers)]
         for event in self.events:
             event.record(jax_stream)                # created now: their handles go into the program
-        self._wait_fn, self._copy_fn, write_fn = native_signal.flag_functions()
-        self._record_fn, self._event_wait_fn = native_signal.driver_functions()
-        self._write = native_signal.STREAM_VALUE_OP(write_fn)
+        self._wait_fn, self._write_fn = native_signal.flag_functions()
+        self._record_fn, self._capturing_fn = native_signal.capture_functions()
+        self._write = native_signal.STREAM_VALUE_OP(self._write_fn)
+        self._memset = native_signal.memset_d32()
         self.wait_state, self.signal_state = native_signal.new_state(), native_signal.new_state()
         self.released = layers                      # layers of the current step released so far
 
     # -- the program's hooks -----------------------------------------------------------------------
     def wait(self, layer: int, arrays: tuple, *, platform: str):
-        return native_signal.wait_flag(arrays, platform=platform, wait_fn=self._wait_fn, copy_fn=self._copy_fn,
-                                       flag=self.words.data_ptr(), base=self.base, offset=layer + 1,
-                                       abandon=self.words.data_ptr() + 4, state=self.wait_state)
+        return native_signal.wait_flag(arrays, platform=platform, wait_fn=self._wait_fn, write_fn=self._write_fn,
+                                       flag=self.words.data_ptr() + 4 * layer, state=self.wait_state)
 
     def signal(self, layer: int, arrays: tuple, *, platform: str):
-        return native_signal.call(arrays, platform=platform, record_fn=self._record_fn, wait_fn=self._event_wait_fn,
-                                  ready_event=self.events[layer].cuda_event, then_wait=0, state=self.signal_state)
+        return native_signal.step_signal(arrays, platform=platform, record_fn=self._record_fn,
+                                         capturing_fn=self._capturing_fn, ready_event=self.events[layer].cuda_event,
+                                         state=self.signal_state)
 
     # -- torch's side --------------------------------------------------------------------------------
     def next_step(self, torch_stream: torch.cuda.Stream):
-        """Before a step program is dispatched, after torch's stream waited for the last one: the
-        flag values move past the last step's and the abandon word is cleared, on torch's stream."""
+        """Before a step program is dispatched, after torch's stream waited for the last one: every
+        flag and the abandon word are zeroed, on torch's stream."""
         if self.released != self.layers:
             raise RuntimeError(f"step flags: the last step released {self.released} of {self.layers} layers; "
                                "abandon it first")
-        self.base[0] = (self.base[0] + self.layers) & 0xFFFFFFFF
-        self._write_word(torch_stream, 4, 0)
+        rc = self._memset(self.words.data_ptr(), 0, self.layers + 1, ctypes.c_void_p(torch_stream.cuda_stream))
+        if rc != 0:
+            raise RuntimeError(f"cuMemsetD32Async failed with CUresult {rc}")
         self.released = 0
 
-    def dispatched(self):
-        """After the dispatch: every layer's wait and signal was enqueued on JAX's stream."""
+    def dispatched(self) -> int:
+        """After the dispatch: how many of the program's hooks ran on the host.  2 * layers where
+        XLA executed the program thunk by thunk (every wait and signal enqueued on JAX's stream)
+        or recorded it into its command buffer; 0 where it replayed the recorded graph; between,
+        where it recorded anew only the hooks whose buffers moved (a caller that passes new
+        buffers for the ring, the caches or `flags`)."""
+        counts = []
         for what, state in (("wait", self.wait_state), ("signal", self.signal_state)):
             calls, stream = state
             state[0] = state[1] = 0
-            if stream != self._handle or calls != self.layers:
+            if calls > self.layers or calls and stream == 0:
                 raise RuntimeError(f"the step program enqueued {calls} flag {what}s on stream {stream:#x}; expected "
-                                   f"{self.layers} on JAX's compute stream {self._handle:#x}")
+                                   f"at most {self.layers}, on a GPU stream")
+            counts.append(calls)
+        return sum(counts)
 
     def release(self, torch_stream: torch.cuda.Stream, layer: int):
         """Layer `layer`'s part of the program runs once torch's stream reaches this point."""
         if layer != self.released:
             raise ValueError(f"layer: expected {self.released} (layers are released in order), got {layer}")
-        self._write_word(torch_stream, 0, (self.base[0] + layer + 1) & 0xFFFFFFFF)
+        self._write_word(torch_stream, layer, 1)
         self.released += 1
 
     def torch_after(self, torch_stream: torch.cuda.Stream, layer: int):
@@ -352,12 +364,13 @@ class StepFlags:
         if self.released == self.layers:
             return
         _make_context_current(self.words.device.index)
-        self._write_word(torch_stream, 4, 1)
-        self._write_word(torch_stream, 0, (self.base[0] + self.layers) & 0xFFFFFFFF)
+        self._write_word(torch_stream, self.layers, 1)
+        for layer in range(self.released, self.layers):
+            self._write_word(torch_stream, layer, 1)
         self.released = self.layers
 
-    def _write_word(self, torch_stream: torch.cuda.Stream, offset: int, value: int):
-        rc = self._write(ctypes.c_void_p(torch_stream.cuda_stream), self.words.data_ptr() + offset, value, 0)
+    def _write_word(self, torch_stream: torch.cuda.Stream, index: int, value: int):
+        rc = self._write(ctypes.c_void_p(torch_stream.cuda_stream), self.words.data_ptr() + 4 * index, value, 0)
         if rc != 0:
             raise RuntimeError(f"cuStreamWriteValue32 failed with CUresult {rc}")
 

@@ -558,7 +558,10 @@ def test_a_step_program_behind_flags_is_exact_under_a_race_and_writes_nothing_on
     latents into the chunk buffers behind ~10 ms of sleep and only then raises the layer's flag;
     every workspace torch reads after the layer's event is the pre-step gather with those
     latents' records in the chunk rows.  Raising the flag before the latents (the control)
-    must differ.  A step abandoned after layer 0 leaves the later caches' bytes untouched."""
+    must differ, and a step abandoned before its program ran must leave no flag raised.  A step
+    abandoned after layer 0 leaves the later caches' bytes untouched.  XLA runs the program's
+    first dispatch thunk by thunk, records the second into a CUDA graph and replays it from the
+    third: the exact steps cover a recording and replays."""
     from interop import bench, bridge, stream_handoff
     from jax.sharding import NamedSharding, PartitionSpec as P
     layers, rows_per_layer = 3, 512
@@ -578,21 +581,24 @@ def test_a_step_program_behind_flags_is_exact_under_a_race_and_writes_nothing_on
               for _ in range(depth + 1)]
     kv_t, pe_t = torch.empty_like(work.kv), torch.empty_like(work.pe)
     state = dict(ring=tuple(imported(t, P()) for t in ring_t),
-                 caches=tuple(imported(c, P(placement.DCP_AXIS)) for c in work.caches))
+                 caches=tuple(imported(c, P(placement.DCP_AXIS)) for c in work.caches),
+                 flags=imported(flags.words, P()))
     chunk = ((imported(kv_t, P()),), (imported(pe_t, P()),))
     arrays = dcp_step.step_arrays(plan, work.table_host.numpy(), mesh, chunk_capacity=plan.num_tokens)
     gen = torch.Generator(device="cuda").manual_seed(4)
     latents = [((torch.randn(work.kv.shape, device="cuda", generator=gen) * 3).to(torch.bfloat16),
                 torch.randn(work.pe.shape, device="cuda", generator=gen).to(torch.bfloat16)) for _ in range(layers)]
+    replayed = []
 
     def begin():
         s = torch.cuda.current_stream()
         events.torch_after_jax(s)
         flags.next_step(s)
         events.jax_after_torch(s)
-        state["ring"], state["caches"] = dcp_step.step_program(
-            state["ring"], state["caches"], *chunk, arrays, depth=depth, mesh=mesh, layout=fmt.layout, hooks=flags)
-        flags.dispatched()
+        state["ring"], state["caches"], state["flags"] = dcp_step.step_program(
+            state["ring"], state["caches"], state["flags"], *chunk, arrays, depth=depth, mesh=mesh,
+            layout=fmt.layout, hooks=flags)
+        replayed.append(flags.dispatched() == 0)
         return s
 
     def run(early: bool):
@@ -629,9 +635,16 @@ def test_a_step_program_behind_flags_is_exact_under_a_race_and_writes_nothing_on
     watchdog = threading.Timer(120, lambda: flags.abandon(torch.cuda.current_stream()))
     watchdog.start()
     try:
-        run(early=False)              # compiles
-        assert run(early=False) == 0
+        assert run(early=False) == 0  # compiles; thunk by thunk
+        assert run(early=False) == 0  # recorded
         assert run(early=True) > 0    # the control: the patch read the previous layer's latents
+        # a step abandoned before its program was dispatched raises every flag; the next step
+        # must not find them raised
+        s = torch.cuda.current_stream()
+        flags.next_step(s)
+        flags.abandon(s)
+        assert run(early=False) == 0
+        assert replayed == [False, False, True, True], replayed   # the abandoned step dispatched nothing
         # abandoned after layer 0: the chunk's slots made stale first, so a write would show
         for c in work.caches:
             c.view(-1, fmt.record_bytes)[work.slots] ^= 0x5A

@@ -28,7 +28,7 @@ class CapturingHooks:
 
     def wait(self, layer, arrays, *, platform):
         word = int(self.abandoned_from is not None and layer >= self.abandoned_from)
-        return jnp.full((1,), word, jnp.uint32), arrays
+        return arrays[:-1] + (arrays[-1].at[-1].set(word),)        # the abandon word, flags[L]
 
     def signal(self, layer, arrays, *, platform):
         own = arrays[layer % (self.depth + 1)]
@@ -38,7 +38,7 @@ class CapturingHooks:
 
 class CountingHooks:
     """The native handlers (`interop.native_signal`), which off a GPU only count their calls:
-    the wait's `offset` attribute carries the layer + 1, the signal's `ready_event` the layer."""
+    the wait's `flag` attribute and the signal's `ready_event` carry the layer."""
 
     def __init__(self):
         from interop import native_signal
@@ -47,16 +47,13 @@ class CountingHooks:
             pytest.skip(loaded.why)
         self.ns = native_signal
         self.wait_state, self.signal_state = native_signal.new_state(), native_signal.new_state()
-        import array
-        self.base = array.array("I", [0])
 
     def wait(self, layer, arrays, *, platform):
-        return self.ns.wait_flag(arrays, platform=platform, wait_fn=0, copy_fn=0, flag=0, base=self.base,
-                                 offset=layer + 1, abandon=0, state=self.wait_state)
+        return self.ns.wait_flag(arrays, platform=platform, wait_fn=0, write_fn=0, flag=layer, state=self.wait_state)
 
     def signal(self, layer, arrays, *, platform):
-        return self.ns.call(arrays, platform=platform, record_fn=0, wait_fn=0, ready_event=layer, then_wait=0,
-                            state=self.signal_state)
+        return self.ns.step_signal(arrays, platform=platform, record_fn=0, capturing_fn=0, ready_event=layer,
+                                   state=self.signal_state)
 
 
 def _step(d, fmt="fp8_ds_mla"):
@@ -80,6 +77,11 @@ def _step(d, fmt="fp8_ds_mla"):
     return mesh, layers, plan, arrays, chunks, caches
 
 
+def _flags(mesh):
+    """The hooks' words, int32[L + 1], all 0: no layer abandoned."""
+    return placement.replicated(mesh, jnp.zeros(LAYERS + 1, jnp.int32))[0]
+
+
 def _ring(mesh, d, depth, plan):
     rng = np.random.default_rng(9)
     # poisoned: every row a layer reads must be written by the step
@@ -94,8 +96,8 @@ def test_the_step_program_gives_every_layer_its_synchronous_workspace_and_writes
     fmt = formats.get("fp8_ds_mla")
     hooks = CapturingHooks(depth)
     before = [np.asarray(c) for c in caches]
-    ring, written = dcp_step.step_program(
-        _ring(mesh, d, depth, plan), tuple(caches), tuple(jnp.asarray(kv) for kv, _ in chunks),
+    ring, written, _ = dcp_step.step_program(
+        _ring(mesh, d, depth, plan), tuple(caches), _flags(mesh), tuple(jnp.asarray(kv) for kv, _ in chunks),
         tuple(jnp.asarray(pe) for _, pe in chunks), arrays, depth=depth, mesh=mesh, layout=fmt.layout, hooks=hooks,
         implementation="xla")
     jax.block_until_ready(written)
@@ -125,8 +127,8 @@ def test_a_step_released_half_way_writes_no_cache_past_the_release(depth):
     fmt = formats.get("fp8_ds_mla")
     before = [np.asarray(c) for c in caches]
     hooks = CapturingHooks(depth, abandoned_from=2)
-    _, written = dcp_step.step_program(
-        _ring(mesh, d, depth, plan), tuple(caches), tuple(jnp.asarray(kv) for kv, _ in chunks),
+    _, written, flags = dcp_step.step_program(
+        _ring(mesh, d, depth, plan), tuple(caches), _flags(mesh), tuple(jnp.asarray(kv) for kv, _ in chunks),
         tuple(jnp.asarray(pe) for _, pe in chunks), arrays, depth=depth, mesh=mesh, layout=fmt.layout, hooks=hooks,
         implementation="xla")
     for l in range(LAYERS):
@@ -135,18 +137,20 @@ def test_a_step_released_half_way_writes_no_cache_past_the_release(depth):
             assert (after != before[l]).any(), f"layer {l} was not written"
         else:
             np.testing.assert_array_equal(after, before[l], err_msg=f"layer {l} was written after the release")
+    assert int(flags[-1]) == 1                 # the word the hooks set is the program's result
 
 
 @pytest.mark.parametrize("d, depth", [(1, 1), (2, 2)])
 def test_the_step_program_orders_each_layer_behind_its_wait_and_copies_nothing(d, depth):
     """In the compiled program layer l's wait precedes its signal, which precedes layer l + 1's
     wait; every read of a later layer's cache (its prefetch) follows the signal of the layer
-    that issues it and precedes the next wait; and no slot or cache is copied."""
+    that issues it and precedes the next wait; and no slot, cache or flag word is copied (the
+    hooks' buffers stay the caller's, so a recorded CUDA graph stays valid)."""
     mesh, layers, plan, arrays, chunks, caches = _step(d)
     fmt = formats.get("fp8_ds_mla")
     hooks = CountingHooks()
-    args = (_ring(mesh, d, depth, plan), tuple(caches), (jnp.asarray(chunks[0][0]),), (jnp.asarray(chunks[0][1]),),
-            arrays)
+    args = (_ring(mesh, d, depth, plan), tuple(caches), _flags(mesh), (jnp.asarray(chunks[0][0]),),
+            (jnp.asarray(chunks[0][1]),), arrays)
     kw = dict(depth=depth, mesh=mesh, layout=fmt.layout, hooks=hooks, implementation="xla")
     hlo = dcp_step.step_program.lower(*args, **kw).compile().as_text()
     cache_bytes = caches[0].size // d
@@ -161,11 +165,13 @@ def test_the_step_program_orders_each_layer_behind_its_wait_and_copies_nothing(d
         found = {}
         for name, (_, _, line) in ins.items():
             if "custom-call(" in line and target in line:
-                found[int(line.split(f"{attr} = ")[1].split(" ")[0]) - (attr == "offset")] = name
+                found[int(line.split(f"{attr} = ")[1].split(" ")[0])] = name
         return found
 
-    waits, signals = calls("ckv_host_wait_flag", "offset"), calls("ckv_host_signal", "ready_event")
+    waits, signals = calls("ckv_host_wait_flag", "flag"), calls("ckv_host_step_signal", "ready_event")
     assert sorted(waits) == sorted(signals) == list(range(LAYERS))
+    flag_words = f"s32[{LAYERS + 1}]"
+    assert not [n for n, (_, _, line) in ins.items() if flag_words in line.split("=")[1] and " copy(" in line]
     cache_params = {int(line.split('op_name="caches[')[1].split("]")[0]): n for n, (_, _, line) in ins.items()
                     if "parameter(" in line and 'op_name="caches[' in line}
     for l in range(LAYERS):
@@ -184,24 +190,29 @@ def test_the_step_program_orders_each_layer_behind_its_wait_and_copies_nothing(d
     assert hooks.wait_state[0] == hooks.signal_state[0] == LAYERS * d     # once per layer and device
 
 
-def test_the_step_program_names_a_wrong_ring_or_chunk():
+def test_the_step_program_names_a_wrong_ring_chunk_or_flags():
     mesh, layers, plan, arrays, chunks, caches = _step(1)
     fmt = formats.get("fp8_ds_mla")
     kv, pe = (jnp.asarray(chunks[0][0]),), (jnp.asarray(chunks[0][1]),)
     kw = dict(mesh=mesh, layout=fmt.layout, hooks=CapturingHooks(1), implementation="xla")
     with pytest.raises(ValueError, match=r"ring: expected depth \+ 1 = 2 slots, got 3"):
-        dcp_step.step_program.lower(_ring(mesh, 1, 2, plan), tuple(caches), kv, pe, arrays, depth=1, **kw)
+        dcp_step.step_program.lower(_ring(mesh, 1, 2, plan), tuple(caches), _flags(mesh), kv, pe, arrays, depth=1,
+                                    **kw)
     with pytest.raises(ValueError, match=r"kv_c, k_pe: expected one chunk buffer pair or one per layer \(4\), got 2"):
-        dcp_step.step_program.lower(_ring(mesh, 1, 1, plan), tuple(caches), kv * 2, pe * 2, arrays, depth=1, **kw)
+        dcp_step.step_program.lower(_ring(mesh, 1, 1, plan), tuple(caches), _flags(mesh), kv * 2, pe * 2, arrays,
+                                    depth=1, **kw)
+    with pytest.raises(ValueError, match=r"flags: expected int32\[5\] \(a word a layer and the abandon word\), "
+                                         r"got uint32\[5\]"):
+        dcp_step.step_program.lower(_ring(mesh, 1, 1, plan), tuple(caches), _flags(mesh).astype(jnp.uint32), kv, pe,
+                                    arrays, depth=1, **kw)
 
 
-def test_the_native_flag_wait_names_a_wrong_base_or_state():
+def test_the_step_hooks_name_a_wrong_state():
     from interop import native_signal
     import array
-    hooks = CountingHooks()                 # skips without the native library
+    CountingHooks()                         # skips without the native library
     x = jnp.zeros(4, jnp.uint8)
-    kw = dict(platform="cpu", wait_fn=0, copy_fn=0, flag=0, offset=1, abandon=0)
-    with pytest.raises(TypeError, match=r"base: expected an array.array\('I'\) of at least one word, got \[0\]"):
-        native_signal.wait_flag((x,), base=[0], state=hooks.wait_state, **kw)
     with pytest.raises(TypeError, match=r"state: expected new_state\(\)"):
-        native_signal.wait_flag((x,), base=array.array("I", [0]), state=array.array("I", [0, 0]), **kw)
+        native_signal.wait_flag((x,), platform="cpu", wait_fn=0, write_fn=0, flag=0, state=array.array("I", [0, 0]))
+    with pytest.raises(TypeError, match=r"state: expected new_state\(\)"):
+        native_signal.step_signal((x,), platform="cpu", record_fn=0, capturing_fn=0, ready_event=0, state=[0, 0])

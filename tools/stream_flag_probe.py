@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     if found.stream is None:
         print(f"JAX's compute stream was not found: {found.why}", file=sys.stderr)
         return 2
-    wait_fn, _, write_fn = native_signal.flag_functions()
+    wait_fn, write_fn = native_signal.flag_functions()
     write_value, wait_value = native_signal.STREAM_VALUE_OP(write_fn), native_signal.STREAM_VALUE_OP(wait_fn)
     jax_stream = ctypes.c_void_p(found.stream)
     torch_stream = torch.cuda.current_stream()

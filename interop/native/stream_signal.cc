@@ -13,13 +13,7 @@
 // the caller checks after each dispatch (one call, on the stream it ordered against).  The host
 // handler (CPU programs, which have no stream) only counts.
 //
-// The flag wait (CkvStreamWaitFlag) is the other direction, for a program queued ahead of the
-// torch work it depends on: it makes the program's stream wait until the 32-bit word at device
-// address `flag` reaches `*base + offset` (cuStreamWaitValue32, GEQ: a cyclic comparison, so the
-// counter may wrap), then copies the 32-bit word at device address `abandon` into its first
-// result, so the program reads it only after the wait (a step released half-way sets it, and the
-// program's later writes are masked by it).  `*base` is read while XLA enqueues the program: one
-// compiled program serves every step.  The host handler only counts and writes 0.
+// The two handlers of the second section serve a step program queued ahead (see there).
 #include <cstdint>
 #include <string>
 
@@ -29,9 +23,6 @@ namespace ffi = xla::ffi;
 
 using EventRecord = int (*)(void* event, void* stream);                    // cuEventRecord
 using StreamWaitEvent = int (*)(void* stream, void* event, unsigned flags);  // cuStreamWaitEvent
-using StreamWaitValue32 = int (*)(void* stream, uint64_t address, uint32_t value, unsigned flags);
-using MemcpyDtoDAsync = int (*)(uint64_t dst, uint64_t src, size_t bytes, void* stream);
-constexpr unsigned kWaitValueGeq = 0x0;  // CU_STREAM_WAIT_VALUE_GEQ
 
 static ffi::Error SignalOnStream(void* stream, ffi::RemainingArgs, ffi::RemainingRets, uint64_t record_fn,
                                  uint64_t wait_fn, uint64_t ready_event, uint64_t then_wait, uint64_t state) {
@@ -72,29 +63,93 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CkvStreamSignal, SignalOnStream,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CkvHostSignal, SignalOnHost,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets() CKV_SIGNAL_ATTRS);
 
-static ffi::Error WaitFlagOnStream(void* stream, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> abandoned,
-                                   ffi::RemainingRets, uint64_t wait_fn, uint64_t copy_fn, uint64_t flag,
-                                   uint64_t base, uint64_t offset, uint64_t abandon, uint64_t state) {
+// A step program's hooks (interop.stream_handoff.StepFlags), for a whole step queued ahead of
+// the torch work it depends on.  XLA runs a program's first execution thunk by thunk, records the
+// second into a command buffer (a CUDA graph) where its thunks are command-buffer compatible, and
+// replays that graph from then on: what a handler enqueued while being recorded becomes a graph
+// node with its values fixed, and a replay runs no host code.  So neither handler reads host
+// state per step, and both declare themselves compatible.
+//
+// The signal records `ready_event`: while the stream is being captured, as an external event node
+// (cuEventRecordWithFlags with CU_EVENT_RECORD_EXTERNAL, which the driver refuses outside a
+// capture), else as a plain record.
+//
+// The flag wait holds the stream until the 32-bit word at device address `flag` is 1 (torch
+// writes it once a step, cuStreamWriteValue32), then writes it back to 0 for the next step.  Its
+// operands pass through aliased; the last is the step's flag words themselves (the abandon word
+// among them), so what the program reads of them it reads after the wait (a step released
+// half-way sets the abandon word, and the program's later writes are masked by it), from a
+// buffer the caller owns: none of the hooks' buffers lives in XLA's scratch memory, which
+// programs run between steps move, and which would make XLA record the hooks anew.
+//
+// `state` counts the handlers' runs (an execution or a recording, never a replay).  The host
+// handlers only count.
+using EventRecordWithFlags = int (*)(void* event, void* stream, unsigned flags);  // cuEventRecordWithFlags
+using StreamIsCapturing = int (*)(void* stream, int* status);                      // cuStreamIsCapturing
+// cuStreamWaitValue32, cuStreamWriteValue32
+using StreamWaitValue32 = int (*)(void* stream, uint64_t address, uint32_t value, unsigned flags);
+using StreamWriteValue32 = StreamWaitValue32;
+constexpr unsigned kEventRecordExternal = 0x1;  // CU_EVENT_RECORD_EXTERNAL
+constexpr unsigned kWaitValueEq = 0x1;          // CU_STREAM_WAIT_VALUE_EQ
+
+static ffi::Error StepSignalOnStream(void* stream, ffi::RemainingArgs, ffi::RemainingRets, uint64_t record_fn,
+                                     uint64_t capturing_fn, uint64_t ready_event, uint64_t state) {
   auto* words = reinterpret_cast<uint64_t*>(state);
   words[1] = reinterpret_cast<uint64_t>(stream);
-  uint32_t value = *reinterpret_cast<const uint32_t*>(base) + static_cast<uint32_t>(offset);
-  if (int rc = reinterpret_cast<StreamWaitValue32>(wait_fn)(stream, flag, value, kWaitValueGeq)) {
-    return ffi::Error(ffi::ErrorCode::kInternal, "ckv flag wait: cuStreamWaitValue32 failed with CUresult " +
+  int capture = 0;  // CU_STREAM_CAPTURE_STATUS_NONE
+  if (int rc = reinterpret_cast<StreamIsCapturing>(capturing_fn)(stream, &capture)) {
+    return ffi::Error(ffi::ErrorCode::kInternal, "ckv stream signal: cuStreamIsCapturing failed with CUresult " +
                                                      std::to_string(rc));
   }
-  uint64_t out = reinterpret_cast<uint64_t>(abandoned->untyped_data());
-  if (int rc = reinterpret_cast<MemcpyDtoDAsync>(copy_fn)(out, abandon, sizeof(uint32_t), stream)) {
-    return ffi::Error(ffi::ErrorCode::kInternal, "ckv flag wait: cuMemcpyDtoDAsync failed with CUresult " +
+  if (int rc = reinterpret_cast<EventRecordWithFlags>(record_fn)(reinterpret_cast<void*>(ready_event), stream,
+                                                                 capture != 0 ? kEventRecordExternal : 0)) {
+    return ffi::Error(ffi::ErrorCode::kInternal, "ckv stream signal: cuEventRecordWithFlags failed with CUresult " +
                                                      std::to_string(rc));
   }
   words[0] += 1;
   return ffi::Error::Success();
 }
 
-static ffi::Error WaitFlagOnHost(ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> abandoned, ffi::RemainingRets,
-                                 uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t state) {
+static ffi::Error StepSignalOnHost(ffi::RemainingArgs, ffi::RemainingRets, uint64_t, uint64_t, uint64_t,
+                                   uint64_t state) {
   auto* words = reinterpret_cast<uint64_t*>(state);
-  *reinterpret_cast<uint32_t*>(abandoned->untyped_data()) = 0;
+  words[1] = 0;
+  words[0] += 1;
+  return ffi::Error::Success();
+}
+
+#define CKV_STEP_SIGNAL_ATTRS            \
+  .Attr<uint64_t>("record_fn")           \
+      .Attr<uint64_t>("capturing_fn")    \
+      .Attr<uint64_t>("ready_event")     \
+      .Attr<uint64_t>("state")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CkvStreamStepSignal, StepSignalOnStream,
+                              ffi::Ffi::Bind().Ctx<ffi::PlatformStream<void*>>().RemainingArgs().RemainingRets()
+                                  CKV_STEP_SIGNAL_ATTRS,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CkvHostStepSignal, StepSignalOnHost,
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets() CKV_STEP_SIGNAL_ATTRS);
+
+static ffi::Error WaitFlagOnStream(void* stream, ffi::RemainingArgs, ffi::RemainingRets, uint64_t wait_fn,
+                                   uint64_t write_fn, uint64_t flag, uint64_t state) {
+  auto* words = reinterpret_cast<uint64_t*>(state);
+  words[1] = reinterpret_cast<uint64_t>(stream);
+  if (int rc = reinterpret_cast<StreamWaitValue32>(wait_fn)(stream, flag, 1, kWaitValueEq)) {
+    return ffi::Error(ffi::ErrorCode::kInternal, "ckv flag wait: cuStreamWaitValue32 failed with CUresult " +
+                                                     std::to_string(rc));
+  }
+  if (int rc = reinterpret_cast<StreamWriteValue32>(write_fn)(stream, flag, 0, 0)) {
+    return ffi::Error(ffi::ErrorCode::kInternal, "ckv flag wait: cuStreamWriteValue32 failed with CUresult " +
+                                                     std::to_string(rc));
+  }
+  words[0] += 1;
+  return ffi::Error::Success();
+}
+
+static ffi::Error WaitFlagOnHost(ffi::RemainingArgs, ffi::RemainingRets, uint64_t, uint64_t, uint64_t,
+                                 uint64_t state) {
+  auto* words = reinterpret_cast<uint64_t*>(state);
   words[1] = 0;
   words[0] += 1;
   return ffi::Error::Success();
@@ -102,18 +157,13 @@ static ffi::Error WaitFlagOnHost(ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer>
 
 #define CKV_WAIT_ATTRS                   \
   .Attr<uint64_t>("wait_fn")             \
-      .Attr<uint64_t>("copy_fn")         \
+      .Attr<uint64_t>("write_fn")        \
       .Attr<uint64_t>("flag")            \
-      .Attr<uint64_t>("base")            \
-      .Attr<uint64_t>("offset")          \
-      .Attr<uint64_t>("abandon")         \
       .Attr<uint64_t>("state")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CkvStreamWaitFlag, WaitFlagOnStream,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<void*>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .RemainingRets() CKV_WAIT_ATTRS);
+                              ffi::Ffi::Bind().Ctx<ffi::PlatformStream<void*>>().RemainingArgs().RemainingRets()
+                                  CKV_WAIT_ATTRS,
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CkvHostWaitFlag, WaitFlagOnHost,
-                              ffi::Ffi::Bind().RemainingArgs().Ret<ffi::AnyBuffer>().RemainingRets() CKV_WAIT_ATTRS);
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets() CKV_WAIT_ATTRS);
