@@ -35,6 +35,8 @@ SOURCE = Path(__file__).with_name("native") / "stream_signal.cc"
 GPU_TARGET, HOST_TARGET = "ckv_stream_signal", "ckv_host_signal"
 GPU_WAIT_TARGET, HOST_WAIT_TARGET = "ckv_stream_wait_flag", "ckv_host_wait_flag"
 GPU_STEP_SIGNAL, HOST_STEP_SIGNAL = "ckv_stream_step_signal", "ckv_host_step_signal"
+# a step hook's stream word (its `state[1]`) where it ran under a capture (XLA recording the program)
+CAPTURING = 1
 # cuStreamWaitValue32 / cuStreamWriteValue32(stream, device address, value, flags) as a ctypes
 # function type, to call `flag_functions`' addresses from Python
 STREAM_VALUE_OP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
@@ -115,20 +117,26 @@ def _check_state(state):
         raise TypeError(f"state: expected new_state() (array.array('Q') of 2 words), got {state!r}")
 
 
+def _aliased_call(target: str, arrays: tuple, attrs: dict) -> tuple:
+    """`arrays` through the custom call `target` with `attrs` (u64 each), every operand aliased to
+    its result."""
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+    return tuple(jax.ffi.ffi_call(target, shapes, input_output_aliases={i: i for i in range(len(arrays))})(
+        *arrays, **{k: np.uint64(v) for k, v in attrs.items()}))
+
+
 def call(arrays: tuple, *, platform: str, record_fn: int, wait_fn: int, ready_event: int, then_wait: int,
          state: array.array) -> tuple:
     """`arrays`, unchanged, through the layer program's native signal (see the comment atop the
     C++ file): on a GPU it records `ready_event` on the program's stream there, then (when
-    `then_wait` is not 0) makes the stream wait on that event; elsewhere it only counts.  state: `new_state()`, which
-    the handler updates; it must outlive every program that calls it (and never be resized).
+    `then_wait` is not 0) makes the stream wait on that event; elsewhere it only counts.  state:
+    `new_state()`, which the handler updates; it must outlive every program that calls it (and
+    never be resized).
     The operands are aliased to the results (no copy of a buffer the program owns)."""
     _check_state(state)
-    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
-    target = GPU_TARGET if platform == "gpu" else HOST_TARGET
-    attrs = dict(record_fn=record_fn, wait_fn=wait_fn, ready_event=ready_event, then_wait=then_wait,
-                 state=state.buffer_info()[0])
-    return tuple(jax.ffi.ffi_call(target, shapes, input_output_aliases={i: i for i in range(len(arrays))})(
-        *arrays, **{k: np.uint64(v) for k, v in attrs.items()}))
+    return _aliased_call(GPU_TARGET if platform == "gpu" else HOST_TARGET, arrays,
+                         dict(record_fn=record_fn, wait_fn=wait_fn, ready_event=ready_event, then_wait=then_wait,
+                              state=state.buffer_info()[0]))
 
 
 def step_signal(arrays: tuple, *, platform: str, record_fn: int, capturing_fn: int, ready_event: int,
@@ -137,41 +145,47 @@ def step_signal(arrays: tuple, *, platform: str, record_fn: int, capturing_fn: i
     records `ready_event` on the program's stream, as an external event node where XLA records
     the program into a command buffer; elsewhere it only counts.  record_fn, capturing_fn:
     cuEventRecordWithFlags and cuStreamIsCapturing (`capture_functions`).  state: as for `call`;
-    it counts executions and recordings, not replays."""
+    it counts executions and recordings, not replays, and its stream word is `CAPTURING` for a
+    recording."""
     _check_state(state)
-    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
-    target = GPU_STEP_SIGNAL if platform == "gpu" else HOST_STEP_SIGNAL
-    attrs = dict(record_fn=record_fn, capturing_fn=capturing_fn, ready_event=ready_event, state=state.buffer_info()[0])
-    return tuple(jax.ffi.ffi_call(target, shapes, input_output_aliases={i: i for i in range(len(arrays))})(
-        *arrays, **{k: np.uint64(v) for k, v in attrs.items()}))
+    return _aliased_call(GPU_STEP_SIGNAL if platform == "gpu" else HOST_STEP_SIGNAL, arrays,
+                         dict(record_fn=record_fn, capturing_fn=capturing_fn, ready_event=ready_event,
+                              state=state.buffer_info()[0]))
 
 
-def wait_flag(arrays: tuple, *, platform: str, wait_fn: int, write_fn: int, flag: int, state: array.array) -> tuple:
+def wait_flag(arrays: tuple, *, platform: str, wait_fn: int, write_fn: int, capturing_fn: int, flag: int,
+              state: array.array) -> tuple:
     """`arrays`, unchanged, through a step program's flag wait (see the C++ file): on a GPU the
     program's stream waits until the u32 at device address `flag` is 1, then writes it back to
     0; elsewhere it only counts.  Nothing is read from the host while the program is enqueued,
-    so a command buffer recorded once replays it.  wait_fn, write_fn: `flag_functions`.  state:
-    as for `step_signal`.  The operands are aliased to the results."""
+    so a command buffer recorded once replays it.  wait_fn, write_fn: `flag_functions`;
+    capturing_fn: as for `step_signal`.  state: as for `step_signal`.  The operands are aliased
+    to the results."""
     _check_state(state)
-    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
-    target = GPU_WAIT_TARGET if platform == "gpu" else HOST_WAIT_TARGET
-    attrs = dict(wait_fn=wait_fn, write_fn=write_fn, flag=flag, state=state.buffer_info()[0])
-    return tuple(jax.ffi.ffi_call(target, shapes, input_output_aliases={i: i for i in range(len(arrays))})(
-        *arrays, **{k: np.uint64(v) for k, v in attrs.items()}))
+    return _aliased_call(GPU_WAIT_TARGET if platform == "gpu" else HOST_WAIT_TARGET, arrays,
+                         dict(wait_fn=wait_fn, write_fn=write_fn, capturing_fn=capturing_fn, flag=flag,
+                              state=state.buffer_info()[0]))
+
+
+def _driver_addresses(names: tuple, *, v2: bool = False) -> tuple:
+    """The addresses of the CUDA driver's functions `names` (libcuda.so.1, the one driver every
+    CUDA runtime in the process uses); with `v2`, each in its _v2 form where the driver exports
+    one."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    found = []
+    for name in names:
+        fn = (v2 and getattr(cuda, name + "_v2", None)) or getattr(cuda, name, None)
+        if fn is None:
+            raise RuntimeError(f"libcuda exports neither {name}_v2 nor {name}" if v2 else f"libcuda exports no {name}")
+        found.append(ctypes.cast(fn, ctypes.c_void_p).value)
+    return tuple(found)
 
 
 def flag_functions() -> tuple[int, int]:
     """The addresses of the CUDA driver's cuStreamWaitValue32 and cuStreamWriteValue32, in their
     _v2 forms where the driver exports them (the stream memory operations' v1 entry points may
     be disabled)."""
-    cuda = ctypes.CDLL("libcuda.so.1")
-    found = []
-    for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):
-        fn = getattr(cuda, name + "_v2", None) or getattr(cuda, name, None)
-        if fn is None:
-            raise RuntimeError(f"libcuda exports neither {name}_v2 nor {name}")
-        found.append(ctypes.cast(fn, ctypes.c_void_p).value)
-    return tuple(found)
+    return _driver_addresses(("cuStreamWaitValue32", "cuStreamWriteValue32"), v2=True)
 
 
 def memset_d32():
@@ -183,16 +197,12 @@ def memset_d32():
 
 
 def driver_functions() -> tuple[int, int]:
-    """The addresses of the CUDA driver's cuEventRecord and cuStreamWaitEvent (libcuda.so.1, the
-    one driver every CUDA runtime in the process uses; its event and stream handles are the
-    runtime's)."""
-    cuda = ctypes.CDLL("libcuda.so.1")
-    return tuple(ctypes.cast(getattr(cuda, name), ctypes.c_void_p).value for name in ("cuEventRecord", "cuStreamWaitEvent"))
+    """The addresses of the CUDA driver's cuEventRecord and cuStreamWaitEvent (their event and
+    stream handles are the runtime's)."""
+    return _driver_addresses(("cuEventRecord", "cuStreamWaitEvent"))
 
 
 def capture_functions() -> tuple[int, int]:
     """The addresses of the CUDA driver's cuEventRecordWithFlags and cuStreamIsCapturing (the
-    step signal's)."""
-    cuda = ctypes.CDLL("libcuda.so.1")
-    return tuple(ctypes.cast(getattr(cuda, name), ctypes.c_void_p).value
-                 for name in ("cuEventRecordWithFlags", "cuStreamIsCapturing"))
+    step hooks')."""
+    return _driver_addresses(("cuEventRecordWithFlags", "cuStreamIsCapturing"))

@@ -311,7 +311,8 @@ class StepFlags:
     # -- the program's hooks -----------------------------------------------------------------------
     def wait(self, layer: int, arrays: tuple, *, platform: str):
         return native_signal.wait_flag(arrays, platform=platform, wait_fn=self._wait_fn, write_fn=self._write_fn,
-                                       flag=self.words.data_ptr() + 4 * layer, state=self.wait_state)
+                                       capturing_fn=self._capturing_fn, flag=self.words.data_ptr() + 4 * layer,
+                                       state=self.wait_state)
 
     def signal(self, layer: int, arrays: tuple, *, platform: str):
         return native_signal.step_signal(arrays, platform=platform, record_fn=self._record_fn,
@@ -333,16 +334,19 @@ class StepFlags:
     def dispatched(self) -> int:
         """After the dispatch: how many of the program's hooks ran on the host.  2 * layers where
         XLA executed the program thunk by thunk (every wait and signal enqueued on JAX's stream)
-        or recorded it into its command buffer; 0 where it replayed the recorded graph; between,
-        where it recorded anew only the hooks whose buffers moved (a caller that passes new
-        buffers for the ring, the caches or `flags`)."""
+        or recorded it into its command buffer (on a capture stream); 0 where it replayed the
+        recorded graph; between, where it recorded anew only the hooks whose buffers moved (a
+        caller that passes new buffers for the ring, the caches or `flags`)."""
         counts = []
         for what, state in (("wait", self.wait_state), ("signal", self.signal_state)):
             calls, stream = state
             state[0] = state[1] = 0
-            if calls > self.layers or calls and stream == 0:
+            executed = stream == self._handle and calls == self.layers
+            recorded = stream == native_signal.CAPTURING and calls <= self.layers
+            if calls and not (executed or recorded):
                 raise RuntimeError(f"the step program enqueued {calls} flag {what}s on stream {stream:#x}; expected "
-                                   f"at most {self.layers}, on a GPU stream")
+                                   f"{self.layers} on JAX's compute stream {self._handle:#x}, or at most "
+                                   f"{self.layers} recorded under a capture")
             counts.append(calls)
         return sum(counts)
 

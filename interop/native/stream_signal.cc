@@ -21,33 +21,39 @@
 
 namespace ffi = xla::ffi;
 
+// A driver call's failure as the handler's error: "ckv <handler>: <call> failed with CUresult <rc>".
+static ffi::Error DriverFailed(const char* handler, const char* call, int rc) {
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string("ckv ") + handler + ": " + call + " failed with CUresult " + std::to_string(rc));
+}
+
+// One run of a handler in its `state` words: the stream word, then the count.
+static ffi::Error Counted(uint64_t state, uint64_t stream) {
+  auto* words = reinterpret_cast<uint64_t*>(state);
+  words[1] = stream;
+  words[0] += 1;
+  return ffi::Error::Success();
+}
+
 using EventRecord = int (*)(void* event, void* stream);                    // cuEventRecord
 using StreamWaitEvent = int (*)(void* stream, void* event, unsigned flags);  // cuStreamWaitEvent
 
 static ffi::Error SignalOnStream(void* stream, ffi::RemainingArgs, ffi::RemainingRets, uint64_t record_fn,
                                  uint64_t wait_fn, uint64_t ready_event, uint64_t then_wait, uint64_t state) {
-  auto* words = reinterpret_cast<uint64_t*>(state);
-  words[1] = reinterpret_cast<uint64_t>(stream);
   if (int rc = reinterpret_cast<EventRecord>(record_fn)(reinterpret_cast<void*>(ready_event), stream)) {
-    return ffi::Error(ffi::ErrorCode::kInternal, "ckv stream signal: cuEventRecord failed with CUresult " +
-                                                     std::to_string(rc));
+    return DriverFailed("stream signal", "cuEventRecord", rc);
   }
   if (then_wait != 0) {
     if (int rc = reinterpret_cast<StreamWaitEvent>(wait_fn)(stream, reinterpret_cast<void*>(then_wait), 0)) {
-      return ffi::Error(ffi::ErrorCode::kInternal, "ckv stream signal: cuStreamWaitEvent failed with CUresult " +
-                                                       std::to_string(rc));
+      return DriverFailed("stream signal", "cuStreamWaitEvent", rc);
     }
   }
-  words[0] += 1;
-  return ffi::Error::Success();
+  return Counted(state, reinterpret_cast<uint64_t>(stream));
 }
 
 static ffi::Error SignalOnHost(ffi::RemainingArgs, ffi::RemainingRets, uint64_t, uint64_t, uint64_t, uint64_t,
                                uint64_t state) {
-  auto* words = reinterpret_cast<uint64_t*>(state);
-  words[1] = 0;
-  words[0] += 1;
-  return ffi::Error::Success();
+  return Counted(state, 0);
 }
 
 #define CKV_SIGNAL_ATTRS                 \
@@ -82,8 +88,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CkvHostSignal, SignalOnHost,
 // buffer the caller owns: none of the hooks' buffers lives in XLA's scratch memory, which
 // programs run between steps move, and which would make XLA record the hooks anew.
 //
-// `state` counts the handlers' runs (an execution or a recording, never a replay).  The host
-// handlers only count.
+// `state` counts the handlers' runs (an execution or a recording, never a replay), with the stream
+// of the last: the program's, or kCapturing where XLA was recording it on a capture stream of its
+// own.  The host handlers only count.
 using EventRecordWithFlags = int (*)(void* event, void* stream, unsigned flags);  // cuEventRecordWithFlags
 using StreamIsCapturing = int (*)(void* stream, int* status);                      // cuStreamIsCapturing
 // cuStreamWaitValue32, cuStreamWriteValue32
@@ -91,31 +98,39 @@ using StreamWaitValue32 = int (*)(void* stream, uint64_t address, uint32_t value
 using StreamWriteValue32 = StreamWaitValue32;
 constexpr unsigned kEventRecordExternal = 0x1;  // CU_EVENT_RECORD_EXTERNAL
 constexpr unsigned kWaitValueEq = 0x1;          // CU_STREAM_WAIT_VALUE_EQ
+constexpr uint64_t kCapturing = 1;              // the stream word of a run under a capture
+
+// Whether `stream` is being captured into `*capturing` (CU_STREAM_CAPTURE_STATUS_NONE is 0).
+static ffi::Error Capturing(uint64_t capturing_fn, void* stream, const char* handler, bool* capturing) {
+  int status = 0;
+  if (int rc = reinterpret_cast<StreamIsCapturing>(capturing_fn)(stream, &status)) {
+    return DriverFailed(handler, "cuStreamIsCapturing", rc);
+  }
+  *capturing = status != 0;
+  return ffi::Error::Success();
+}
+
+// The stream word of a step hook's run: its stream, or kCapturing.
+static uint64_t StepStream(void* stream, bool capturing) {
+  return capturing ? kCapturing : reinterpret_cast<uint64_t>(stream);
+}
 
 static ffi::Error StepSignalOnStream(void* stream, ffi::RemainingArgs, ffi::RemainingRets, uint64_t record_fn,
                                      uint64_t capturing_fn, uint64_t ready_event, uint64_t state) {
-  auto* words = reinterpret_cast<uint64_t*>(state);
-  words[1] = reinterpret_cast<uint64_t>(stream);
-  int capture = 0;  // CU_STREAM_CAPTURE_STATUS_NONE
-  if (int rc = reinterpret_cast<StreamIsCapturing>(capturing_fn)(stream, &capture)) {
-    return ffi::Error(ffi::ErrorCode::kInternal, "ckv stream signal: cuStreamIsCapturing failed with CUresult " +
-                                                     std::to_string(rc));
+  bool capturing = false;
+  if (ffi::Error error = Capturing(capturing_fn, stream, "stream signal", &capturing); error.failure()) {
+    return error;
   }
   if (int rc = reinterpret_cast<EventRecordWithFlags>(record_fn)(reinterpret_cast<void*>(ready_event), stream,
-                                                                 capture != 0 ? kEventRecordExternal : 0)) {
-    return ffi::Error(ffi::ErrorCode::kInternal, "ckv stream signal: cuEventRecordWithFlags failed with CUresult " +
-                                                     std::to_string(rc));
+                                                                 capturing ? kEventRecordExternal : 0)) {
+    return DriverFailed("stream signal", "cuEventRecordWithFlags", rc);
   }
-  words[0] += 1;
-  return ffi::Error::Success();
+  return Counted(state, StepStream(stream, capturing));
 }
 
 static ffi::Error StepSignalOnHost(ffi::RemainingArgs, ffi::RemainingRets, uint64_t, uint64_t, uint64_t,
                                    uint64_t state) {
-  auto* words = reinterpret_cast<uint64_t*>(state);
-  words[1] = 0;
-  words[0] += 1;
-  return ffi::Error::Success();
+  return Counted(state, 0);
 }
 
 #define CKV_STEP_SIGNAL_ATTRS            \
@@ -132,32 +147,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CkvHostStepSignal, StepSignalOnHost,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets() CKV_STEP_SIGNAL_ATTRS);
 
 static ffi::Error WaitFlagOnStream(void* stream, ffi::RemainingArgs, ffi::RemainingRets, uint64_t wait_fn,
-                                   uint64_t write_fn, uint64_t flag, uint64_t state) {
-  auto* words = reinterpret_cast<uint64_t*>(state);
-  words[1] = reinterpret_cast<uint64_t>(stream);
+                                   uint64_t write_fn, uint64_t capturing_fn, uint64_t flag, uint64_t state) {
+  bool capturing = false;
+  if (ffi::Error error = Capturing(capturing_fn, stream, "flag wait", &capturing); error.failure()) {
+    return error;
+  }
   if (int rc = reinterpret_cast<StreamWaitValue32>(wait_fn)(stream, flag, 1, kWaitValueEq)) {
-    return ffi::Error(ffi::ErrorCode::kInternal, "ckv flag wait: cuStreamWaitValue32 failed with CUresult " +
-                                                     std::to_string(rc));
+    return DriverFailed("flag wait", "cuStreamWaitValue32", rc);
   }
   if (int rc = reinterpret_cast<StreamWriteValue32>(write_fn)(stream, flag, 0, 0)) {
-    return ffi::Error(ffi::ErrorCode::kInternal, "ckv flag wait: cuStreamWriteValue32 failed with CUresult " +
-                                                     std::to_string(rc));
+    return DriverFailed("flag wait", "cuStreamWriteValue32", rc);
   }
-  words[0] += 1;
-  return ffi::Error::Success();
+  return Counted(state, StepStream(stream, capturing));
 }
 
-static ffi::Error WaitFlagOnHost(ffi::RemainingArgs, ffi::RemainingRets, uint64_t, uint64_t, uint64_t,
+static ffi::Error WaitFlagOnHost(ffi::RemainingArgs, ffi::RemainingRets, uint64_t, uint64_t, uint64_t, uint64_t,
                                  uint64_t state) {
-  auto* words = reinterpret_cast<uint64_t*>(state);
-  words[1] = 0;
-  words[0] += 1;
-  return ffi::Error::Success();
+  return Counted(state, 0);
 }
 
 #define CKV_WAIT_ATTRS                   \
   .Attr<uint64_t>("wait_fn")             \
       .Attr<uint64_t>("write_fn")        \
+      .Attr<uint64_t>("capturing_fn")    \
       .Attr<uint64_t>("flag")            \
       .Attr<uint64_t>("state")
 
