@@ -196,6 +196,14 @@ class PrefetchOrchestrator:
         """Bytes the engine must reserve before sizing its KV cache."""
         return self.memory.total_bytes
 
+    @property
+    def step_arrays(self) -> dcp_step.StepArrays:
+        """The device arrays of the step `begin_step` began (for a caller that runs the step's
+        work as one program, `dcp_step.step_program`)."""
+        if self._arrays is None:
+            raise RuntimeError("step_arrays: no step begun (call begin_step first)")
+        return self._arrays
+
     # -- lanes ---------------------------------------------------------------------------------
     def lane(self, key: Hashable = "target") -> LaneState:
         if key not in self._lanes:

@@ -2,6 +2,7 @@
 
     pip install -e '.[torch]' && python examples/torch_engine.py [--depth 2] [--layers 4] [--attention auto]
                                                                   [--cache-write engine|adapter]
+                                                                  [--ordering step-program]
 
 A small MLA-style layer stack in torch (latent 512 + RoPE 64 projections, fp8_ds_mla paged
 caches, sparse attention over a global top-k) prefills one request chunk by chunk, the way an
@@ -10,7 +11,10 @@ engine does: torch writes each layer's chunk into its own paged cache, hands the
 returned workspace with `interop.sparse_mla_attention` (ckv-jax's kernel on a GPU, its XLA
 reference elsewhere; `--attention torch` attends in torch instead).  `--cache-write adapter`
 leaves each layer's cache write to the adapter (`gather(..., write_cache=True)`: ckv-jax's
-writer in the layer's program, on a GPU the cache write and the patch one kernel).  The same weights then run
+writer in the layer's program, on a GPU the cache write and the patch one kernel).
+`--ordering step-program` (CUDA) dispatches each step's JAX work as one program at `begin_step`,
+each layer released by its `gather` (the adapter writes the caches; the attention is torch's,
+since JAX work queued mid-step would wait behind the program).  The same weights then run
 through ckv-jax's pure-JAX `prefill_layers` with the same attention implementation; the outputs
 must agree.  On a GPU it runs on CUDA (one GPU: D = 1, the full path through
 `min_world_size=1`); otherwise on the CPU.
@@ -18,6 +22,7 @@ must agree.  On a GPU it runs on CUDA (one GPU: D = 1, the full path through
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -76,12 +81,18 @@ def run(args) -> int:
     caches = [torch.zeros(blocks, block, fmt.record_bytes, dtype=torch.uint8, device=device)
               for _ in range(args.layers)]
     adapter = interop.TorchCkvAdapter(world_size=1, format=fmt.name, max_num_seqs=1, block_size=block,
-                                      min_world_size=1,
+                                      min_world_size=1, ordering=args.ordering,
                                       config=GatherConfig(enabled=True, depth=args.depth, workspace_mib=0,
                                                           min_tokens=1, max_tokens=args.context))
+    step_caches = {}
+    if adapter.ordering == "step-program":
+        step_caches = dict(kv_caches=caches)
+        # cuBLAS initialized before a step opens: its first use may synchronize the device, which
+        # mid-step waits for the step's program while torch holds the GIL (no watchdog can run)
+        (torch.ones(8, 8, device=device) @ torch.ones(8, 8, device=device)).sum().item()
     print(f"torch engine on {device}: {args.layers} layers, context {args.context} in chunks of {args.chunk}, "
           f"depth {args.depth}, prefetch pool {adapter.pool_bytes / 2**20:.1f} MiB, attention {args.attention}, "
-          f"caches written by the {args.cache_write}")
+          f"caches written by the {args.cache_write}, ordering {adapter.ordering}")
 
     # the pure-JAX path over copies of the same caches, for the check
     mesh = adapter.mesh
@@ -102,13 +113,14 @@ def run(args) -> int:
             topk[t, :n] = rng.choice(p + 1, size=n, replace=False)
         x0 = torch.randn(q_len, d_model, generator=gen)
         slots = layout.slot_mapping(pos, plan.req_id_per_token, table.cpu().numpy(), 0)      # host, as metadata is
+        # on the device before the step: a copy from pageable memory mid-step waits for torch's stream
+        topk_dev, x = torch.tensor(topk, device=device), x0.to(device)
+        layer_weights = [{k: v.to(device) for k, v in w.items()} for w in weights]
 
         # the engine's step, in torch
-        assert adapter.begin_step(seq, qlens, table)
-        idx, cnt = adapter.remap_topk(torch.tensor(topk, device=device))
-        x = x0.to(device)
-        for layer, w in enumerate(weights):
-            w = {k: v.to(device) for k, v in w.items()}
+        assert adapter.begin_step(seq, qlens, table, **step_caches)
+        idx, cnt = adapter.remap_topk(topk_dev)
+        for layer, w in enumerate(layer_weights):
             q = (x @ w["w_q"]).reshape(q_len, heads, 576).to(torch.bfloat16)
             kv = x @ w["w_kv"]
             kv_c, k_pe = adapter.chunk_buffers()          # the latents go where the patch reads them: no copy
@@ -169,7 +181,16 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-write", choices=("engine", "adapter"), default="engine",
                     help="who writes each layer's cache: torch (the engine) or the adapter's gather "
                          "(default %(default)s)")
+    ap.add_argument("--ordering", choices=("step-program",), default=None,
+                    help="the adapter's ordering (default: its own choice); step-program needs CUDA, "
+                         "--cache-write adapter and --attention torch")
     args = ap.parse_args(argv)
+    if args.ordering == "step-program":
+        if args.cache_write != "adapter" or args.attention != "torch":
+            ap.error("--ordering step-program: the step's program writes the caches and JAX work mid-step "
+                     "would wait behind it; pass --cache-write adapter --attention torch")
+        # read when CUDA initializes (nothing has yet): the adapter refuses lazy kernel loading
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     for name in ("layers", "heads", "d_model", "context", "chunk", "topk"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")

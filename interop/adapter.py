@@ -18,7 +18,7 @@ of one `jax.distributed` run, whose mesh axis `dcp` spans one device per process
     adapter.close()
 
 The work of `gather` runs on JAX's compute stream: the prefetches of layers L+1..L+N run there
-while torch computes layer L.  Two ordering protocols, chosen once (`ordering`):
+while torch computes layer L.  Three ordering protocols, chosen once (`ordering`):
 
 * ``"cuda-events"`` (CUDA, where `interop.stream_handoff` finds JAX's compute stream): the ring
   slots are torch memory imported into JAX once, and every gather and patch writes into them in
@@ -40,6 +40,21 @@ while torch computes layer L.  Two ordering protocols, chosen once (`ordering`):
   imports the chunk's latents from torch's current stream and every JAX computation of the call
   takes them as an input; the workspace is exported (torch's stream waits for it) before the
   prefetches are dispatched.  Imported tensors are kept alive until the step is drained.
+* ``"step-program"`` (CUDA, asked for by name): `begin_step(..., kv_caches=every layer's cache)`
+  dispatches the whole step's JAX work as one program (`interop.step_runner`), each layer's part
+  behind a flag; `gather(l, kv_caches[l], write_cache=True)`, called for l = 0, 1, ... in
+  order, raises layer l's flag on torch's stream (its latents are in the chunk buffers, its
+  cache holds the history) and makes torch's stream wait on the layer's event.  The program
+  writes each layer's cache, patches or gathers its slot and prefetches layer l + depth; XLA
+  replays it as a CUDA graph from its third step on.  Per layer the host writes one word and
+  waits on one event.  The process must load CUDA kernels eagerly (CUDA_MODULE_LOADING=EAGER)
+  and make no device-wide synchronization while a step is open: its program holds JAX's stream
+  until the host releases the next layer, so such a synchronization waits until the watchdog
+  (`step_timeout_s`) abandons the step, and the step's next call raises `StepAbandoned`.  The
+  watchdog is a Python thread: a host blocked inside a torch op that holds the GIL (a library
+  torch initializes on first use, such as cuBLAS at the process's first matmul, synchronizing
+  the device) cannot be rescued, so run every such library once before the first step.
+  kv_c must be bf16, one lane only (no ubatches or speculative lanes).
 
 The returned view is valid until its ring slot is reused (depth + 1 layers later, or the next
 step); drop it (and every view of it) before that, or the reuse raises (the pool never grows).
@@ -54,12 +69,12 @@ import numpy as np
 import torch
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ckv_jax import dcp_step, formats, full_ckv, placement, validation
+from ckv_jax import dcp_step, formats, placement, validation
 from ckv_jax.dcp_layout import DcpLayout
 from ckv_jax.prefetch import PrefetchOrchestrator, WorkspacePool, slot_still_referenced
 from ckv_jax.prefetch_config import GatherConfig
 from ckv_jax.step_plan import build_step_plan
-from interop import bridge, stream_handoff, torch_records
+from interop import bridge, step_runner, stream_handoff, torch_records, torch_topk
 
 log = logging.getLogger("ckv_jax.interop")
 
@@ -95,6 +110,10 @@ class TorchWorkspacePool(WorkspacePool):
         if stream_handoff.storage_use_count(self._storages[lane][index]) > self._own_refs[lane][index]:
             raise slot_still_referenced(index)
 
+    def slot_tensor(self, lane: int, index: int) -> torch.Tensor:
+        """The torch tensor of slot `index` of `lane`."""
+        return self._tensors[lane][index]
+
     def tensor_of(self, workspace: jax.Array) -> torch.Tensor:
         pointer = workspace.unsafe_buffer_pointer()          # the one shard this process holds
         t = self._by_pointer.get(pointer)
@@ -110,18 +129,22 @@ class TorchCkvAdapter:
     None picks "cuda-events" where it is available.  `prefetch_programs`: the persistent
     programs of a prefetch's pack (`PrefetchOrchestrator`'s).  `native_signal=False` keeps the
     cuda-events ordering's in-program signal a Python callback instead of the native custom call
-    (to compare them)."""
+    (to compare them).  `step_timeout_s`: how long an open step of the "step-program" ordering
+    may see no `gather` before its watchdog abandons it."""
 
     def __init__(self, *, world_size: int, format: str, max_num_seqs: int, config: GatherConfig,
                  interleave: int = 1, block_size: int = 64, mesh: jax.sharding.Mesh | None = None,
                  ubatches: int = 1, speculative: bool = False, implementation=None, interpret: bool = False,
                  min_world_size: int = 2, ordering: str | None = None, prefetch_programs: int | None = None,
-                 native_signal: bool = True):
+                 native_signal: bool = True, step_timeout_s: float = 10.0):
         bridge.check_not_capturing("TorchCkvAdapter")
         if not config.enabled:
             raise ValueError("config: the full-CKV gather is disabled (GatherConfig.enabled / CKV_JAX_GATHER)")
-        if ordering not in (None, "cuda-events", "dlpack"):
-            raise ValueError(f"ordering: expected None, 'cuda-events' or 'dlpack', got {ordering!r}")
+        if ordering not in ORDERINGS:
+            raise ValueError(f"ordering: expected one of {ORDERINGS}, got {ordering!r}")
+        if ordering == "step-program" and (ubatches != 1 or speculative):
+            raise ValueError(f"ordering: 'step-program' runs one lane, got ubatches={ubatches}, "
+                             f"speculative={speculative}")
         self.fmt = formats.get(format)
         self.layout = DcpLayout(world_size, interleave, block_size)
         if mesh is None:
@@ -139,7 +162,7 @@ class TorchCkvAdapter:
         self.max_num_seqs = max_num_seqs
         self.min_world_size = min_world_size
         self.events = self._stream_events(ordering, native_signal)
-        self.ordering = self.events.name if self.events else "dlpack"
+        self.ordering = "step-program" if ordering == "step-program" else self.events.name if self.events else "dlpack"
         pool = {}
         if self.events:
             pool = dict(pool_type=TorchWorkspacePool,
@@ -159,16 +182,23 @@ class TorchCkvAdapter:
         self._latent_widths = (self.fmt.nope_dim, self.fmt.rope_dim)   # read per layer; the format's are properties
         self._keepalive: list = []         # torch tensors JAX may still read this step
         self._host_slots = None            # DLPack path: this rank's cache slot of every chunk token
+        self._topk_tables = None           # the step's `torch_topk.TopkTables`
+        self.step = None                   # step-program: the `step_runner.StepRunner`
+        if self.ordering == "step-program":
+            self.step = step_runner.StepRunner(
+                self.events, mesh, depth=self.orch.depth, layout=self.fmt.layout,
+                implementation=self.orch.implementation, interpret=interpret,
+                prefetch_tiles=self.orch.prefetch_tiles, timeout_s=step_timeout_s)
 
     def _stream_events(self, ordering, native_signal):
         if ordering == "dlpack" or self.device.platform != "gpu" or not torch.cuda.is_available():
-            if ordering == "cuda-events":
-                raise ValueError(f"ordering: 'cuda-events' needs a CUDA device, got JAX's {self.device}")
+            if ordering is not None and ordering != "dlpack":
+                raise ValueError(f"ordering: {ordering!r} needs a CUDA device, got JAX's {self.device}")
             return None
         found = stream_handoff.probe(self.device)
         if found.stream is None:
-            if ordering == "cuda-events":
-                raise RuntimeError(f"ordering: 'cuda-events' is unavailable: {found.why}")
+            if ordering is not None:
+                raise RuntimeError(f"ordering: {ordering!r} is unavailable: {found.why}")
             log.warning("torch<->JAX ordering falls back to DLPack imports and exports per layer "
                         "(host-bound, no prefetch overlap): %s", found.why)
             return None
@@ -186,7 +216,7 @@ class TorchCkvAdapter:
         return self.layout.world_size * self.plan.padded_tokens
 
     # -- per step --------------------------------------------------------------------------------
-    def begin_step(self, seq_lens, query_lens, block_table: torch.Tensor) -> bool:
+    def begin_step(self, seq_lens, query_lens, block_table: torch.Tensor, kv_caches=None) -> bool:
         """Plan the step; False (and a debug log of why) when it must take the stock path.
 
         seq_lens, query_lens: host int[R] (tensors on the CPU or arrays; seq_lens include the
@@ -195,8 +225,19 @@ class TorchCkvAdapter:
         makes the host wait for the work torch has queued so far.
         With the cuda-events ordering the gathers of the first layers (`depth` of them, at most
         two) start here, after the work queued on torch's current stream so far.
+        kv_caches: the step-program ordering's every layer's cache u8[num_blocks, block_size, R]
+        (a sequence, layer l at [l]; no other ordering takes it): the step's program, dispatched
+        here, writes and gathers them.
         """
         bridge.check_not_capturing("begin_step")
+        if (kv_caches is None) != (self.step is None):
+            raise ValueError(f"kv_caches: the {self.ordering} ordering " +
+                             ("takes every layer's cache at begin_step, got None" if self.step is not None
+                              else "takes each layer's cache in gather, not at begin_step"))
+        if kv_caches is not None and (isinstance(kv_caches, torch.Tensor) or not hasattr(kv_caches, "__len__")
+                                      or not len(kv_caches)):
+            raise TypeError(f"kv_caches: expected a non-empty sequence of torch caches (one a layer), "
+                            f"got {type(kv_caches).__name__}")
         self._drain()
         seq_lens = _host_ints("seq_lens", seq_lens)
         query_lens = _host_ints("query_lens", query_lens)
@@ -207,14 +248,36 @@ class TorchCkvAdapter:
         if not self.orch.eligible(plan):
             return False
         table = self._host_table(block_table)
+        self._topk_tables = torch_topk.TopkTables(plan, self.torch_device)      # (before any JAX work of the step)
         if self.events is None:
             self._host_slots = dcp_step.dcp_slot_mapping(plan, table)[self._rank]     # for write_cache
             self.orch.begin_step(plan, table, prefetch=False)
             return True
         self._chunk_rows = max(self._chunk_rows, 1 << max(plan.num_tokens - 1, 0).bit_length())
+        if self.step is not None:
+            self._begin_step_program(plan, table, kv_caches)
+            return True
         self.events.jax_after_torch(self.events.torch_stream())
         self.orch.begin_step(plan, table, chunk_capacity=self._chunk_rows)
         return True
+
+    def _begin_step_program(self, plan, table, kv_caches):
+        """step-program: bind the caches, size the chunk buffers, dispatch the step's program."""
+        self.orch.begin_step(plan, table, prefetch=False, chunk_capacity=self._chunk_rows)
+        caches = [self._cache("target", layer, kv_cache) for layer, kv_cache in enumerate(kv_caches)]
+        if len({t.data_ptr() for t in kv_caches}) != len(kv_caches):
+            raise ValueError("kv_caches: expected one cache tensor of its own per layer; some share memory "
+                             "(the program writes each in place)")
+        kv_c, k_pe = (self._chunk_buffers[(t.dtype, t.shape[1])][1] for t in self.chunk_buffers())
+        lane = self.orch.lane("target").lane
+        ring, slots = self.orch.pool.ring(lane), self.orch.depth + 1
+        for index in range(min(self.orch.depth, len(caches))):      # the program's first prefetches
+            self.orch.pool.check_writable(lane, index)
+        ring[:slots], written = self.step.begin(ring[:slots], caches, kv_c, k_pe, self.orch.step_arrays)
+        for slot in ring[:slots]:
+            self.orch.pool.tensor_of(slot)              # raises where JAX wrote a slot into a copy
+        for layer, (kv_cache, cache) in enumerate(zip(kv_caches, written)):
+            self._rebind("target", layer, kv_cache, cache)
 
     def _host_table(self, block_table):
         if isinstance(block_table, torch.Tensor):
@@ -232,8 +295,10 @@ class TorchCkvAdapter:
         before its `gather`: torch's stream already waited for the previous layer's patch when it
         produces the next latents); with the DLPack path, fresh tensors per call."""
         self._require_step("chunk_buffers")
-        if kv_c_dtype not in KV_C_DTYPES:
-            raise TypeError(f"kv_c_dtype: expected one of {bridge.dtype_names(KV_C_DTYPES)}, got {kv_c_dtype}")
+        dtypes = (torch.bfloat16,) if self.step is not None else KV_C_DTYPES
+        if kv_c_dtype not in dtypes:
+            raise TypeError(f"kv_c_dtype: expected one of {bridge.dtype_names(dtypes)}"
+                            f"{' (the step program reads bf16 latents)' if self.step else ''}, got {kv_c_dtype}")
         shapes = ((kv_c_dtype, self.fmt.nope_dim), (torch.bfloat16, self.fmt.rope_dim))
         if self.events is None:
             return tuple(torch.empty((self.plan.num_tokens, w), dtype=d, device=self.torch_device) for d, w in shapes)
@@ -274,7 +339,8 @@ class TorchCkvAdapter:
             self._marked_chunk = (kv_c, k_pe) + tuple(self._chunk_buffers[(t.dtype, t.shape[1])][1]
                                                       for t in (kv_c, k_pe))
         self._chunk_marked = True
-        self.events.mark_latents(self.events.torch_stream())
+        if self.step is None:           # (a step program's layer waits for its release alone)
+            self.events.mark_latents(self.events.torch_stream())
 
     def gather(self, layer_idx: int | None, kv_cache: torch.Tensor, *, lane="target",
                after: torch.cuda.Event | torch.cuda.Stream | None = None, write_cache: bool = False) -> torch.Tensor:
@@ -293,12 +359,17 @@ class TorchCkvAdapter:
         program, in place in `kv_cache`, and waits only for the latents' mark (the engine must
         not write or read the cache of this layer between the mark and the call); with the
         DLPack path JAX encodes the records and torch scatters them (`torch_records.write`).
+        With the step-program ordering the call releases layer `layer_idx` (the next in order) to
+        the program begin_step dispatched: `kv_cache` must be the cache given there for the
+        layer, `write_cache` True and `lane` "target".
         """
         self._require_step("gather")
         if not isinstance(write_cache, bool):
             raise TypeError(f"write_cache: expected a bool, got {type(write_cache).__name__}")
         if self._chunk is None:
             raise RuntimeError("gather: call set_current_chunk(kv_c, k_pe) for this layer first")
+        if self.step is not None:
+            return self._release_layer(layer_idx, kv_cache, lane, after, write_cache)
         cache = self._cache(lane, layer_idx, kv_cache)
         if after is not None:
             bridge.join_stream(kv_cache.device, after)
@@ -321,6 +392,38 @@ class TorchCkvAdapter:
             ws = self.orch.gather(layer_idx, cache, kv_c, k_pe, key=lane, signal=self.events.signal)
         self.events.torch_after_signal(stream)  # torch waits for this layer's slot, not for the prefetches
         return self.orch.pool.tensor_of(ws).detach()    # a view: the slot's reuse check counts it
+
+    def _release_layer(self, layer_idx, kv_cache, lane, after, write_cache) -> torch.Tensor:
+        """step-program: hand layer `layer_idx` to the step's program (see the module docstring)."""
+        if lane != "target":
+            raise ValueError(f"lane: the step-program ordering runs one lane, 'target'; got {lane!r}")
+        if not write_cache:
+            raise ValueError("write_cache: the step-program ordering writes every layer's cache in the step's "
+                             "program; pass write_cache=True (and leave the cache write to it)")
+        self.step.raise_if_abandoned()
+        expected = self.step.next_layer
+        if layer_idx != expected:
+            raise ValueError(f"layer_idx: expected {expected} (the step program takes its layers in order"
+                             f"{'' if expected is not None else '; every layer of this step was released'}), "
+                             f"got {layer_idx}")
+        held = self._caches.get((lane, layer_idx))
+        if not isinstance(kv_cache, torch.Tensor) or held is None or held[0] != kv_cache.data_ptr() \
+                or held[1] != kv_cache.shape:
+            raise ValueError(f"kv_cache: expected the memory begin_step was given as kv_caches[{layer_idx}] "
+                             "(the step's program writes that one)")
+        bridge.join_stream(kv_cache.device, after)
+        chunk, self._chunk = self._chunk, None
+        if not self._chunk_marked:
+            if chunk[0].dtype != torch.bfloat16:
+                raise TypeError(f"kv_c: the step-program ordering takes bf16 latents, got {chunk[0].dtype}")
+            self._chunk_on_device(chunk)                # copied into the chunk buffers on torch's stream
+        # the slot the program overwrites after this release: the layer's own (depth 0), or the
+        # one that layer + depth is prefetched into (the last layer's, which torch read before this)
+        depth, lane_index = self.orch.depth, self.orch.lane(lane).lane
+        if depth == 0 or layer_idx + depth < self.step.flags.layers:
+            self.orch.pool.check_writable(lane_index, (layer_idx + depth) % (depth + 1))
+        self.step.release(layer_idx)
+        return self.orch.pool.slot_tensor(lane_index, layer_idx % (depth + 1)).detach()
 
     def _rebind(self, lane, layer_idx, kv_cache: torch.Tensor, written: jax.Array):
         """The written cache (the donated one's successor) as the binding of `kv_cache`, which it
@@ -396,15 +499,17 @@ class TorchCkvAdapter:
         return view
 
     def remap_topk(self, topk: torch.Tensor):
-        """Global top-k i32[T, K] (positions per request, -1 = none) -> (workspace rows, counts) as
-        torch int32 tensors on this GPU (torch's stream waits for them)."""
+        """Global top-k i32[T, K] (positions per request, -1 = none) on the adapter's device ->
+        (workspace rows i32[T, K], counts i32[T]), `full_ckv.remap_topk`'s map computed by torch
+        on its current stream (`interop.torch_topk`)."""
         self._require_step("remap_topk")
-        idx, cnt = full_ckv.remap_topk(bridge.to_jax(topk, name="topk", device=self.device), self.plan)
-        return bridge.to_torch(idx, name="indices"), bridge.to_torch(cnt, name="counts")
+        return torch_topk.remap_topk(topk, self._topk_tables)
 
     def close(self):
         """Wait (on torch's stream) for in-flight work, drop every cache binding and lane."""
         self._drain()
+        if self.step is not None:
+            self.step.close()
         self.orch.reset()
         self._caches.clear()
         self.plan = None
@@ -449,7 +554,10 @@ class TorchCkvAdapter:
 
     def _drain(self):
         """Make torch's stream wait for every JAX computation still reading step inputs (dropped
-        prefetches included), then release the torch tensors they read."""
+        prefetches included), then release the torch tensors they read.  An open step program
+        is abandoned first (its unreleased layers write nothing)."""
+        if self.step is not None:
+            self.step.abandon()
         if self.events is not None:
             self.events.torch_after_jax(self.events.torch_stream())
         else:
@@ -459,7 +567,10 @@ class TorchCkvAdapter:
         self._chunk_views.clear()
         self._marked_chunk = None
         self._chunk = None
+        self._topk_tables = None
 
+
+ORDERINGS = (None, "cuda-events", "dlpack", "step-program")
 
 # the writer's latent dtypes (`ckv_jax.validation.KV_C_DTYPES`) as torch dtypes
 KV_C_DTYPES = tuple(getattr(torch, jnp.dtype(d).name) for d in validation.KV_C_DTYPES)

@@ -15,7 +15,7 @@ import torch
 
 from ckv_jax import formats
 from ckv_jax import sparse_mla
-from interop import bridge
+from interop import bridge, step_runner
 
 
 def sparse_mla_attention(q: torch.Tensor, records: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor,
@@ -34,6 +34,8 @@ def sparse_mla_attention(q: torch.Tensor, records: torch.Tensor, indices: torch.
       out bf16[T, H, 512], lse f32[T, H]: torch tensors on the inputs' device, in JAX's memory.
     """
     bridge.check_not_capturing("sparse_mla_attention")
+    if isinstance(records, torch.Tensor) and records.device.type == "cuda":
+        step_runner.check_no_open_step("sparse_mla_attention", records.device.index)
     table = bridge.to_jax(records, name="records")          # every other input must be on its device
     device = bridge.jax_device_of(records)
     q, indices, counts = (bridge.to_jax(tensor, name=name, device=device)

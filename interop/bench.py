@@ -41,6 +41,9 @@ case).  Per row:
                        (marked * in the printed table) a depth-N step ran faster than the compute
                        alone, so the baseline moved by more than what is left exposed
   host_us_per_layer    host wall time of one layer's `set_current_chunk` + `gather` (median)
+  step_host_us_per_layer  host wall time of a step's `begin_step` and every layer's calls, per
+                       layer (median over trials): with `--ordering step-program` begin_step
+                       dispatches the whole step's program, which this counts
   host_probe_us        the host's speed at that row: one dispatch of a trivial jitted program
                        and one small torch op (median of a loop of each, us), so host figures
                        of different runs can be told apart from a slower machine
@@ -51,6 +54,7 @@ import argparse
 import functools
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -104,13 +108,16 @@ class Workload:
                                          self.table_host.numpy(), 0)
         self.slots = torch.tensor(slots, dtype=torch.int64, device="cuda")   # on the device: no sync per write
 
-    def adapter(self, depth: int, prefetch_programs: int | None = None) -> interop.TorchCkvAdapter:
+    def adapter(self, depth: int, prefetch_programs: int | None = None,
+                ordering: str | None = None) -> interop.TorchCkvAdapter:
+        # options only when asked: an adapter older than them (adapter_trace --code) runs too
+        asked = dict(native_signal=False) if not self.native_signal else {}
+        if ordering is not None:
+            asked["ordering"] = ordering
         return interop.TorchCkvAdapter(
             world_size=1, format=FMT.name, max_num_seqs=1, block_size=self.layout.block_size, min_world_size=1,
             config=GatherConfig(enabled=True, depth=depth, workspace_mib=0, min_tokens=1,
-                                max_tokens=int(self.seq[0])), prefetch_programs=prefetch_programs,
-            # only when asked: an adapter older than the option (adapter_trace --code) runs too
-            **({} if self.native_signal else dict(native_signal=False)))
+                                max_tokens=int(self.seq[0])), prefetch_programs=prefetch_programs, **asked)
 
     def write(self, layer: int, indexer=None):
         """The layer's cache write by the engine, after the indexer's compute (`layers`) when
@@ -126,7 +133,8 @@ class Workload:
             rows.index_copy_(0, self.slots, self.records)
 
     def begin_step(self, adapter) -> bool:
-        began = adapter.begin_step(self.seq, self.q, self.table_host)
+        caches = dict(kv_caches=self.caches) if adapter.ordering == "step-program" else {}
+        began = adapter.begin_step(self.seq, self.q, self.table_host, **caches)
         self.latents = (self.kv, self.pe)
         if began and self.chunk_in_place:           # as the engine's projection would write them
             self.latents = adapter.chunk_buffers()
@@ -352,9 +360,10 @@ def _interleaved(work: Workload, adapters: dict, depths, compute, trials: int, w
     """Step times (ms) of the compute alone and of each depth, the variants taking turns within
     every trial, so a drift of the GPU's clocks (a spinning or multiplying kernel's time follows
     them; a hot GPU after matmuls runs slower for a while) falls on all of them alike.  Returns
-    (compute_only, steps by depth, host s per layer by depth, begin_step host s by depth)."""
+    (compute_only, steps by depth, host s per layer by depth, begin_step host s by depth, host s
+    per step (begin_step and every layer's calls) by depth)."""
     compute_only, steps = [], {d: [] for d in depths}
-    host, begin = {d: [] for d in depths}, {d: [] for d in depths}
+    host, begin, step_host = {d: [] for d in depths}, {d: [] for d in depths}, {d: [] for d in depths}
     for trial in range(warmup + trials):
         keep = trial >= warmup
         t = event_ms(lambda: work.layers(None, compute, indexer=indexer), before=compute)
@@ -374,29 +383,35 @@ def _interleaved(work: Workload, adapters: dict, depths, compute, trials: int, w
                 steps[depth].append(t)
                 host[depth] += layer_host
                 begin[depth] += began
-    return compute_only, steps, host, begin
+                step_host[depth].append(began[-1] + sum(layer_host))
+    return compute_only, steps, host, begin, step_host
 
 
 def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, prefetch_programs=None,
         chunk_in_place=True, mark_before_write=True, native_signal=True, indexer_pct=0.0,
-        cache_writes=("engine",), engine_write="words", torch_marks="none") -> list[dict]:
+        cache_writes=("engine",), engine_write="words", torch_marks="none", ordering=None) -> list[dict]:
     """The rows of the matrix (module docstring).  indexer_pct: the share of each X queued just
     before the cache write (0: none).  cache_writes: who writes the caches in the steps with the
     adapter (`CACHE_WRITES`), each a set of rows; the compute alone always has the engine's
     write, `engine_write` (`ENGINE_WRITES`).  torch_marks: `TORCH_MARKS`, an event recorded on
-    torch's stream before or after each layer's compute, in every variant."""
+    torch's stream before or after each layer's compute, in every variant.  ordering: the
+    adapters' (None: the adapter's default); gather_ms_per_layer is always measured with the
+    cuda-events ordering's per-layer programs (a step program's layers have no dispatch of their
+    own to put events around)."""
     rows = []
     computes = {x: _with_marks(compute_kernels(x * (1 - indexer_pct / 100)), torch_marks) for x in compute_ms}
     indexers = {x: compute_kernels(x * indexer_pct / 100) if indexer_pct else None for x in compute_ms}
     for history in histories:
         work = Workload(history, chunk, layers, chunk_in_place=chunk_in_place, mark_before_write=mark_before_write,
                         native_signal=native_signal, engine_write=engine_write)
-        adapters = {d: work.adapter(d, prefetch_programs) for d in depths}
-        base = adapters[min(depths)]
+        adapters = {d: work.adapter(d, prefetch_programs, ordering) for d in depths}
+        base = work.adapter(min(depths), prefetch_programs) if ordering == "step-program" else adapters[min(depths)]
         gather_ms = {}
         for cache_write in cache_writes:
             work.cache_write = cache_write
             gather_ms[cache_write] = _jax_ms_per_layer(work, base, trials)
+        if base is not adapters[min(depths)]:
+            base.close()
         for stream_kind in streams:
             stream = torch_stream(stream_kind)
             with torch.cuda.stream(stream):
@@ -405,8 +420,8 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
                     compute = computes[x][kind]
                     indexer = indexers[x] and indexers[x][kind]
                     probe = host_probe_us()
-                    compute_only, steps, host, begin = _interleaved(work, adapters, depths, compute, trials,
-                                                                    indexer=indexer)
+                    compute_only, steps, host, begin, step_host = _interleaved(work, adapters, depths, compute,
+                                                                               trials, indexer=indexer)
                     alone = statistics.median(compute_only)
                     by_depth = {}
                     for depth in depths:
@@ -427,6 +442,7 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
                             spread_pct=100 * (max(steps[depth]) - min(steps[depth])) / by_depth[depth],
                             host_us_per_layer=1e6 * statistics.median(host[depth]),
                             begin_step_us=1e6 * statistics.median(begin[depth]),
+                            step_host_us_per_layer=1e6 * statistics.median(step_host[depth]) / layers,
                             host_probe_jax_us=probe["jax"], host_probe_torch_us=probe["torch"]))
                     exposed0 = by_depth[min(depths)] - alone
                     for r in rows[-len(depths):]:
@@ -504,8 +520,18 @@ def main(argv=None) -> int:
     ap.add_argument("--signal", choices=["native", "callback"], default="native",
                     help="the layer program's in-program signal: the native custom call, or the Python "
                          "callback (default %(default)s)")
+    ap.add_argument("--ordering", choices=["cuda-events", "step-program"], default="cuda-events",
+                    help="the adapters' ordering: a program per layer, or the whole step's as one program behind "
+                         "flags (needs --cache-writes adapter) (default %(default)s)")
     ap.add_argument("--out", default="interop.json", help="JSON results (default %(default)s)")
     args = ap.parse_args(argv)
+    if args.ordering == "step-program":
+        if args.cache_writes != ["adapter"]:
+            print("--ordering step-program: the step's program writes the caches; pass --cache-writes adapter",
+                  file=sys.stderr)
+            return 2
+        # read when CUDA initializes, which nothing in this process did yet (the adapter checks)
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     if not (torch.cuda.is_available() and jax.default_backend() == "gpu"):
         print("interop.bench needs torch and JAX on a CUDA GPU", file=sys.stderr)
         return 2
@@ -532,7 +558,8 @@ def main(argv=None) -> int:
     print(HEADER, flush=True)
     rows = run(args.histories, args.chunk, args.layers, args.depths, args.compute_ms, args.kinds, args.streams,
                args.trials, args.prefetch_programs, args.latents == "in-place", args.mark == "before-write",
-               args.signal == "native", args.indexer_pct, args.cache_writes, args.engine_write, args.torch_marks)
+               args.signal == "native", args.indexer_pct, args.cache_writes, args.engine_write, args.torch_marks,
+               args.ordering)
     if any(r["hidden_pct"] > 100 for r in rows):
         print("* hidden above 100%: the step with the adapter ran faster than the compute alone; the baseline "
               "moved by more than what stays exposed (compare its spread)", flush=True)

@@ -206,3 +206,17 @@ def capture_functions() -> tuple[int, int]:
     """The addresses of the CUDA driver's cuEventRecordWithFlags and cuStreamIsCapturing (the
     step hooks')."""
     return _driver_addresses(("cuEventRecordWithFlags", "cuStreamIsCapturing"))
+
+
+def module_loading_mode() -> str:
+    """How the CUDA driver of this process loads kernels: "eager" (each module's kernels when the
+    module is loaded) or "lazy" (a kernel at its first launch, which synchronizes the device:
+    `CUDA_MODULE_LOADING`, read once when the driver initializes)."""
+    fn = ctypes.CDLL("libcuda.so.1").cuModuleGetLoadingMode
+    fn.argtypes = (ctypes.POINTER(ctypes.c_int),)
+    fn.restype = ctypes.c_int
+    mode = ctypes.c_int()
+    rc = fn(ctypes.byref(mode))
+    if rc != 0:
+        raise RuntimeError(f"cuModuleGetLoadingMode failed with CUresult {rc}")
+    return {1: "eager", 2: "lazy"}.get(mode.value, f"unknown ({mode.value})")

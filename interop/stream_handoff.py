@@ -284,7 +284,7 @@ class StepFlags:
     synchronization on the host (torch.cuda.synchronize, cudaFree when torch's allocator frees
     its cache, CUDA's lazy loading of a kernel at its first launch) waits for JAX's stream,
     which waits for a flag only the blocked host would write: a deadlock, unless another
-    thread abandons the step (tools/step_program_probe.py measures both).  Run such steps with
+    thread abandons the step (`interop.step_runner`'s watchdog does).  Run such steps with
     CUDA_MODULE_LOADING=EAGER and no device synchronization between `next_step` and the last
     `release`."""
 

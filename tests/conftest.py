@@ -3,6 +3,9 @@ import sys
 
 # Several CPU devices for the multi-device tests; must precede the first use of a backend.
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
+# Kernels loaded eagerly on a GPU: the adapter's step-program ordering refuses lazy loading (a
+# kernel's first launch would synchronize the device while a program waits for the host).
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402

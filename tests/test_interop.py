@@ -325,8 +325,17 @@ def test_cpu_tensors_take_the_dlpack_path_and_events_are_refused():
     assert _adapter(1, engine).ordering == "dlpack"
     with pytest.raises(ValueError, match=r"ordering: 'cuda-events' needs a CUDA device, got JAX's"):
         _adapter(1, engine, ordering="cuda-events")
-    with pytest.raises(ValueError, match=r"ordering: expected None, 'cuda-events' or 'dlpack', got 'nccl'"):
+    with pytest.raises(ValueError, match=r"ordering: 'step-program' needs a CUDA device, got JAX's"):
+        _adapter(1, engine, ordering="step-program")
+    with pytest.raises(ValueError, match=r"ordering: 'step-program' runs one lane, got ubatches=2"):
+        _adapter(1, engine, ordering="step-program", ubatches=2)
+    with pytest.raises(ValueError, match=r"ordering: expected one of \(None, 'cuda-events', 'dlpack', "
+                                         r"'step-program'\), got 'nccl'"):
         _adapter(1, engine, ordering="nccl")
+    adapter = _adapter(1, engine)
+    hist, q = STEPS[0]
+    with pytest.raises(ValueError, match="kv_caches: the dlpack ordering takes each layer's cache in gather"):
+        adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table, kv_caches=engine.caches)
 
 
 def test_the_stream_probe_refuses_what_it_cannot_vouch_for(monkeypatch):

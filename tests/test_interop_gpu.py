@@ -1,5 +1,7 @@
 """The torch bridge on CUDA: zero-copy, the graph-capture guard, and ordering under a race."""
 import logging
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 import interop
-from ckv_jax import dcp_step, formats, placement
+from ckv_jax import dcp_step, formats, full_ckv, placement
 from ckv_jax.prefetch_config import GatherConfig
 from helpers import copies_of_at_least
 from interop import torch_records
@@ -65,11 +67,29 @@ def test_every_entry_raises_under_graph_capture():
     assert x.sum().item() == 16
 
 
-def _adapter(depth, ordering=None, native_signal=True, prefetch_programs=None):
+def _adapter(depth, ordering=None, native_signal=True, prefetch_programs=None, **kw):
     return interop.TorchCkvAdapter(world_size=1, format="fp8_ds_mla", max_num_seqs=4, block_size=16,
                                    config=GatherConfig(enabled=True, depth=depth, workspace_mib=0, min_tokens=1,
                                                        max_tokens=512), min_world_size=1, ordering=ordering,
-                                   native_signal=native_signal, prefetch_programs=prefetch_programs)
+                                   native_signal=native_signal, prefetch_programs=prefetch_programs, **kw)
+
+
+def _step_adapter(depth, **kw):
+    """A step-program adapter, after cuBLAS's first matmul: a library torch initializes on first
+    use may synchronize the device there while holding the GIL, so that, mid-step, the host
+    would wait for the step's program and no watchdog thread could run (a deadlock)."""
+    a = torch.ones(64, 64, device="cuda")
+    (a @ a).sum().item()
+    return _adapter(depth, "step-program", **kw)
+
+
+def _step_of(layers, timeout_s):
+    """A one-GPU engine of `layers` layers, a step-program adapter of depth 1 and STEPS[0]:
+    (engine, adapter, plan, begin_step's arguments without the caches)."""
+    engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
+    hist, q = STEPS[0]
+    return (engine, _step_adapter(1, step_timeout_s=timeout_s), engine.plan(hist, q, min_world_size=1),
+            (torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu()))
 
 
 def test_a_prefetch_packs_on_half_the_sms_unless_told_otherwise():
@@ -229,37 +249,54 @@ def test_the_adapter_writes_the_cache_in_place_in_every_order(depth, stream):
             (torch.cuda.current_stream(), ours.plan(*small, min_world_size=1), *small)]:
         with torch.cuda.stream(torch_stream):
             assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), ours.block_table.cpu())
-            got, want, caches, previous = [], [], [], None
-            for layer in range(layers):
-                kv, pe = ours.chunk(plan.num_tokens)
-                theirs.chunk(plan.num_tokens)
-                kv_c, k_pe = adapter.chunk_buffers()
-                for _ in range(4):
-                    a = (a @ a).clamp_(-1, 1)         # the latents come late
-                kv_c.copy_(kv)
-                k_pe.copy_(pe)
-                adapter.set_current_chunk(kv_c, k_pe)
-                for _ in range(4):
-                    a = (a @ a).clamp_(-1, 1)         # the read of the previous workspace comes late
-                if previous is not None:
-                    got.append(previous[:adapter.rows].clone())
-                    previous = None
-                theirs.write(layer, plan, kv, pe)
-                previous = adapter.gather(layer, ours.caches[layer], write_cache=True)
-                caches.append(ours.caches[layer].clone())
-                want.append(theirs.caches[layer].clone())
-            got.append(previous[:adapter.rows].clone())
-            del previous
+            got, caches, want, a = _written_step(adapter, ours, theirs, plan, a)
             torch_stream.synchronize()
-        for layer in range(layers):
-            np.testing.assert_array_equal(caches[layer].cpu().numpy(), want[layer].cpu().numpy(),
-                                          err_msg=f"cache: depth {depth} {stream} T {plan.num_tokens} layer {layer}")
-            np.testing.assert_array_equal(got[layer].cpu().numpy(), ours.gathered_now(want[layer], plan),
-                                          err_msg=f"depth {depth} {stream} T {plan.num_tokens} layer {layer}")
+        _assert_written(ours, plan, got, caches, want, f"depth {depth} {stream} T {plan.num_tokens}")
     assert [c.data_ptr() for c in ours.caches] == pointers
     if depth:
         assert {how for _, _, how, _ in adapter.orch.decisions[1:]} == {"prefetched"}
     adapter.close()
+
+
+def _written_step(adapter, ours, theirs, plan, a, *, copied=()):
+    """The layer loop of a begun step whose caches the adapter writes: the engine's latents come
+    behind long matmuls (into `chunk_buffers()`, or as its own tensors for the layers in
+    `copied`), its read of the previous workspace behind more, `theirs` writes the same chunk
+    with torch.  Returns (workspaces read, caches after each call, torch's caches, a)."""
+    got, want, caches, previous = [], [], [], None
+    for layer in range(ours.layers):
+        kv, pe = ours.chunk(plan.num_tokens)
+        theirs.chunk(plan.num_tokens)
+        for _ in range(4):
+            a = (a @ a).clamp_(-1, 1)                 # the latents come late
+        if layer in copied:
+            adapter.set_current_chunk(kv, pe)
+        else:
+            kv_c, k_pe = adapter.chunk_buffers()
+            kv_c.copy_(kv)
+            k_pe.copy_(pe)
+            adapter.set_current_chunk(kv_c, k_pe)
+        for _ in range(4):
+            a = (a @ a).clamp_(-1, 1)                 # the read of the previous workspace comes late
+        if previous is not None:
+            got.append(previous[:adapter.rows].clone())
+            previous = None
+        theirs.write(layer, plan, kv, pe)
+        previous = adapter.gather(layer, ours.caches[layer], write_cache=True)
+        caches.append(ours.caches[layer].clone())
+        want.append(theirs.caches[layer].clone())
+    got.append(previous[:adapter.rows].clone())
+    return got, caches, want, a
+
+
+def _assert_written(ours, plan, got, caches, want, what: str):
+    """Once torch's stream is done: every cache holds torch's write, every workspace read is the
+    pure-JAX gather of it."""
+    for layer in range(ours.layers):
+        np.testing.assert_array_equal(caches[layer].cpu().numpy(), want[layer].cpu().numpy(),
+                                      err_msg=f"cache: {what} layer {layer}")
+        np.testing.assert_array_equal(got[layer].cpu().numpy(), ours.gathered_now(want[layer], plan),
+                                      err_msg=f"{what} layer {layer}")
 
 
 def test_a_cache_write_that_misses_the_torch_cache_is_an_error(monkeypatch):
@@ -479,37 +516,48 @@ def test_the_gather_program_holds_no_copy_of_the_slot():
     assert hlo.count("ckv_write_records") >= 2 and "callback" in hlo
 
 
-@pytest.mark.parametrize("write_cache", [False, True])
-def test_no_host_synchronization_in_the_layer_loop(write_cache):
+@pytest.mark.parametrize("ordering, write_cache, remap", [("cuda-events", False, False), ("cuda-events", True, False),
+                                                          ("cuda-events", True, True), ("step-program", True, True)])
+def test_no_host_synchronization_in_the_layer_loop(ordering, write_cache, remap):
     """torch raises on any synchronizing call in the loop (sync debug mode), and the host
     enqueues a whole step far faster than the GPU runs it, so JAX never blocked either; with the
-    cache written by torch or by the adapter."""
+    cache written by torch or by the adapter, with each layer's top-k remap or without, on
+    either ordering."""
     layers = 6
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
-    adapter = _adapter(2)
+    adapter = _step_adapter(2) if ordering == "step-program" else _adapter(2, ordering)
     hist, q = STEPS[0]
     plan = engine.plan(hist, q, min_world_size=1)
     slots = torch.tensor(engine.layout.slot_mapping(plan.positions(), plan.req_id_per_token, engine.table_host, 0),
                          dtype=torch.int64, device="cuda")
     keep = torch.nonzero(slots >= 0).flatten()
     dest = slots[keep]
-    seq, qlen = torch.tensor(hist + q), torch.tensor(q)
+    seq, qlen, table = torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu()
     chunks = [engine.chunk(plan.num_tokens) for _ in range(layers)]
     records = [torch_records.encode("fp8_ds_mla", kv, pe).index_select(0, keep) for kv, pe in chunks]
+    topk = torch.tensor(np.minimum(np.arange(16)[None, :] * 5, plan.positions()[:, None]), dtype=torch.int32,
+                        device="cuda")
     cycles = _sleep_cycles_per_ms() * 10
-
-    table = engine.block_table.cpu()
+    step_caches = dict(kv_caches=engine.caches) if ordering == "step-program" else {}
+    spent = {}
 
     def step():
         torch.cuda._sleep(cycles)                              # queued first: a wait in begin_step would show
         start = time.perf_counter()
-        adapter.begin_step(seq, qlen, table)
+        adapter.begin_step(seq, qlen, table, **step_caches)
+        spent["begin_step"] = time.perf_counter() - start
+        spent["layers' calls"] = 0.0
         for layer in range(layers):
             torch.cuda._sleep(cycles)                          # 10 ms of queued torch work per layer
             if not write_cache:
                 engine.caches[layer].view(-1, 656).index_copy_(0, dest, records[layer])
+            t0 = time.perf_counter()
             adapter.set_current_chunk(*chunks[layer])
             ws = adapter.gather(layer, engine.caches[layer], write_cache=write_cache)
+            if remap:
+                idx, cnt = adapter.remap_topk(topk)
+                idx[:1, :1].sum() + cnt[:1].sum()
+            spent["layers' calls"] += time.perf_counter() - t0
             ws[:1].sum()
             del ws
         return (time.perf_counter() - start) * 1e3
@@ -525,8 +573,14 @@ def test_no_host_synchronization_in_the_layer_loop(write_cache):
     gpu_start = time.perf_counter()
     torch.cuda.synchronize()
     # any wait of the host on the GPU would last at least the 10 ms of the spin queued first
-    assert host_ms < 10, f"the host took {host_ms:.1f} ms to enqueue begin_step and {layers} layers of 10 ms each"
+    parts = ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in spent.items())
+    assert host_ms < 10, f"the host took {host_ms:.1f} ms to enqueue begin_step and {layers} layers of 10 ms each ({parts})"
     assert (time.perf_counter() - gpu_start) * 1e3 > 30, "the GPU work should still have been queued"
+    if remap:
+        want_idx, want_cnt = full_ckv.remap_topk(jnp.asarray(topk.cpu().numpy()), plan)
+        idx, cnt = adapter.remap_topk(topk)
+        np.testing.assert_array_equal(idx.cpu().numpy(), np.asarray(want_idx))
+        np.testing.assert_array_equal(cnt.cpu().numpy(), np.asarray(want_cnt))
     adapter.close()
 
 
@@ -667,3 +721,130 @@ def test_a_step_program_behind_flags_is_exact_under_a_race_and_writes_nothing_on
     finally:
         watchdog.cancel()
         flags.abandon(torch.cuda.current_stream())
+
+
+# -- the step-program ordering ---------------------------------------------------------------------
+@pytest.mark.parametrize("depth", range(4))
+@pytest.mark.parametrize("stream", ["default", "side"])
+def test_the_step_program_ordering_is_exact_in_every_order_and_replays(depth, stream):
+    """ordering="step-program": the engine writes each layer's latents into `chunk_buffers()`
+    behind long matmuls (the first layer's as its own tensors, which the call copies), reads the
+    previous layer's workspace behind more matmuls, then calls gather; every workspace read is
+    exact and every cache holds the bytes torch's own write gives.  Three rounds of two step
+    shapes, each shape's first program executed thunk by thunk."""
+    layers = 4
+    ours = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
+    theirs = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
+    adapter = _step_adapter(depth, step_timeout_s=120)
+    assert adapter.ordering == "step-program"
+    pointers = [c.data_ptr() for c in ours.caches]
+    a = torch.randn(4096, 4096, device="cuda")
+    torch_stream = torch.cuda.Stream() if stream == "side" else torch.cuda.default_stream()
+    for round_ in range(3):
+        for hist, q in STEPS:
+            plan = ours.plan(hist, q, min_world_size=1)
+            with torch.cuda.stream(torch_stream):
+                assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), ours.block_table.cpu(),
+                                          kv_caches=ours.caches)
+                got, caches, want, a = _written_step(adapter, ours, theirs, plan, a, copied={0})
+            torch_stream.synchronize()      # (the check's JAX gathers only once the step is done)
+            _assert_written(ours, plan, got, caches, want, f"depth {depth} {stream} round {round_} T {plan.num_tokens}")
+    assert [c.data_ptr() for c in ours.caches] == pointers
+    # each shape's first dispatch ran every hook (thunk by thunk); later ones were recorded anew
+    # or replayed (0), as the step arrays' addresses allow
+    runs = adapter.step.hooks_run
+    assert len(runs) == 6 and runs[:2] == [2 * layers] * 2 and max(runs) == 2 * layers, runs
+    adapter.close()
+
+
+def test_a_step_stalled_by_a_device_synchronization_is_abandoned_and_says_so():
+    """A torch.cuda.synchronize() after layer 0's release would wait forever for the step's
+    program; the watchdog abandons the step after `step_timeout_s`, the later caches keep their
+    bytes, the step's next call raises `StepAbandoned`, and the next step is exact."""
+    from interop.step_runner import StepAbandoned
+    layers = 3
+    engine, adapter, plan, (seq, qlen, table) = _step_of(layers, timeout_s=1.0)
+    torch.cuda.synchronize()
+    before = [c.clone() for c in engine.caches]
+    assert adapter.begin_step(seq, qlen, table, kv_caches=engine.caches)
+    adapter.set_current_chunk(*engine.chunk(plan.num_tokens))
+    adapter.gather(0, engine.caches[0], write_cache=True)      # (the view dropped at once)
+    start = time.perf_counter()
+    torch.cuda.synchronize()
+    blocked = time.perf_counter() - start
+    assert 0.9 < blocked < 30, blocked
+    assert not torch.equal(engine.caches[0], before[0])
+    assert all(torch.equal(engine.caches[l], before[l]) for l in range(1, layers))
+    adapter.set_current_chunk(*engine.chunk(plan.num_tokens))
+    with pytest.raises(StepAbandoned, match=r"abandoned at layer 1: no release for 1 s .*layers 1 and later"):
+        adapter.gather(1, engine.caches[1], write_cache=True)
+    assert adapter.begin_step(seq, qlen, table, kv_caches=engine.caches)
+    got, chunks = [], []
+    for layer in range(layers):                         # (no JAX work until the step's last gather)
+        chunks.append(engine.chunk(plan.num_tokens))
+        adapter.set_current_chunk(*chunks[-1])
+        ws = adapter.gather(layer, engine.caches[layer], write_cache=True)
+        got.append(ws[:adapter.rows].clone())
+        del ws
+    torch.cuda.synchronize()
+    for layer in range(layers):
+        engine.write(layer, plan, *chunks[layer])       # what the adapter wrote, once more
+        np.testing.assert_array_equal(got[layer].cpu().numpy(), engine.gathered_now(engine.caches[layer], plan))
+    adapter.close()
+
+
+def test_the_step_program_ordering_names_what_it_cannot_take():
+    engine, adapter, plan, (seq, qlen, table) = _step_of(3, timeout_s=60)
+    with pytest.raises(ValueError, match="kv_caches: the step-program ordering takes every layer's cache at "
+                                         "begin_step, got None"):
+        adapter.begin_step(seq, qlen, table)
+    with pytest.raises(TypeError, match="kv_caches: expected a non-empty sequence of torch caches"):
+        adapter.begin_step(seq, qlen, table, kv_caches=engine.caches[0])
+    with pytest.raises(ValueError, match="kv_caches: expected one cache tensor of its own per layer"):
+        adapter.begin_step(seq, qlen, table, kv_caches=[engine.caches[0]] * 2)
+    assert adapter.begin_step(seq, qlen, table, kv_caches=engine.caches)
+    records = torch.zeros(64, 656, dtype=torch.uint8, device="cuda")
+    attention = (torch.zeros(plan.num_tokens, 16, 576, dtype=torch.bfloat16, device="cuda"), records,
+                 torch.zeros(plan.num_tokens, 8, dtype=torch.int32, device="cuda"),
+                 torch.zeros(plan.num_tokens, dtype=torch.int32, device="cuda"), 0.1)
+    with pytest.raises(RuntimeError, match="sparse_mla_attention: a ckv-jax step program is open on cuda:0"):
+        interop.sparse_mla_attention(*attention, format="fp8_ds_mla")       # it would deadlock the step
+    with pytest.raises(TypeError, match=r"kv_c_dtype: expected one of \['bfloat16'\] \(the step program"):
+        adapter.chunk_buffers(torch.float32)
+    kv, pe = engine.chunk(plan.num_tokens)
+    adapter.set_current_chunk(kv.float(), pe)
+    with pytest.raises(TypeError, match="kv_c: the step-program ordering takes bf16 latents, got torch.float32"):
+        adapter.gather(0, engine.caches[0], write_cache=True)
+    adapter.set_current_chunk(kv, pe)
+    with pytest.raises(ValueError, match=r"write_cache: the step-program ordering writes every layer's cache"):
+        adapter.gather(0, engine.caches[0])
+    with pytest.raises(ValueError, match=r"layer_idx: expected 0 \(the step program takes its layers in order\), "
+                                         r"got 1"):
+        adapter.gather(1, engine.caches[1], write_cache=True)
+    with pytest.raises(ValueError, match=r"kv_cache: expected the memory begin_step was given as kv_caches\[0\]"):
+        adapter.gather(0, engine.caches[0].clone(), write_cache=True)
+    with pytest.raises(ValueError, match="lane: the step-program ordering runs one lane, 'target'; got 'draft'"):
+        adapter.gather(0, engine.caches[0], write_cache=True, lane="draft")
+    held = adapter.gather(0, engine.caches[0], write_cache=True)
+    adapter.set_current_chunk(kv, pe)
+    with pytest.raises(RuntimeError, match="still referenced"):      # layer 1's release prefetches into its slot
+        adapter.gather(1, engine.caches[1], write_cache=True)
+    del held
+    adapter.close()                                       # abandons the open step: the stream drains
+    torch.cuda.synchronize()
+    interop.sparse_mla_attention(*attention, format="fp8_ds_mla")           # no step open
+
+
+def test_the_step_program_ordering_refuses_lazy_kernel_loading():
+    """A process whose CUDA driver loads kernels lazily gets a clear error, not a deadlock."""
+    code = ("import interop, jax; from ckv_jax.prefetch_config import GatherConfig\n"
+            "try:\n"
+            "    interop.TorchCkvAdapter(world_size=1, format='fp8_ds_mla', max_num_seqs=4, min_world_size=1,\n"
+            "        config=GatherConfig(enabled=True, depth=1, workspace_mib=0, min_tokens=1, max_tokens=512),\n"
+            "        ordering='step-program')\n"
+            "except RuntimeError as e:\n"
+            "    print('refused:', e)\n")
+    env = dict(os.environ, CUDA_MODULE_LOADING="LAZY", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "refused: ordering: 'step-program' needs CUDA_MODULE_LOADING=EAGER" in done.stdout, \
+        done.stdout + done.stderr[-3000:]

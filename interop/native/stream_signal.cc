@@ -30,8 +30,9 @@ static ffi::Error DriverFailed(const char* handler, const char* call, int rc) {
 // One run of a handler in its `state` words: the stream word, then the count.
 static ffi::Error Counted(uint64_t state, uint64_t stream) {
   auto* words = reinterpret_cast<uint64_t*>(state);
-  words[1] = stream;
-  words[0] += 1;
+  // atomic: on a CPU the handlers of several devices of one program run on threads at once
+  __atomic_store_n(&words[1], stream, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&words[0], 1, __ATOMIC_RELAXED);
   return ffi::Error::Success();
 }
 
