@@ -2,8 +2,10 @@
 `begin_step` as one program (`dcp_step.step_program`), each layer's part behind a flag torch
 raises (`stream_handoff.StepFlags`).  Per layer the host writes one word on torch's stream and
 makes torch's stream wait on one event: no JAX dispatch, import or export.  XLA executes the
-program thunk by thunk at its first dispatch, records it into a CUDA graph at the second and
-replays the graph from the third (`hooks_run` counts what it did per step).
+program thunk by thunk at its first dispatch and records it into a CUDA graph at the second; it
+replays the graph only while every buffer the program reads stays where it was, and the step's
+arrays are transferred anew each step, so it mostly records again (`hooks_run` counts the hooks
+run on the host per step, 0 for a replay; BENCHMARKS.md, thirty-seventh section).
 
 A program queued ahead makes any device-wide synchronization of the host (torch.cuda.synchronize,
 cudaFree when torch's allocator releases its cache, a kernel's lazy loading) wait for JAX's

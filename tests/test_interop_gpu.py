@@ -574,7 +574,8 @@ def test_no_host_synchronization_in_the_layer_loop(ordering, write_cache, remap)
     torch.cuda.synchronize()
     # any wait of the host on the GPU would last at least the 10 ms of the spin queued first
     parts = ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in spent.items())
-    assert host_ms < 10, f"the host took {host_ms:.1f} ms to enqueue begin_step and {layers} layers of 10 ms each ({parts})"
+    assert host_ms < 10, \
+        f"the host took {host_ms:.1f} ms to enqueue begin_step and {layers} layers of 10 ms each ({parts})"
     assert (time.perf_counter() - gpu_start) * 1e3 > 30, "the GPU work should still have been queued"
     if remap:
         want_idx, want_cnt = full_ckv.remap_topk(jnp.asarray(topk.cpu().numpy()), plan)
