@@ -272,8 +272,9 @@ class StepFlags:
     the program reads the abandon word from it after the wait.  Layer l's signal records
     `events[l]`, which torch's stream waits on before reading the workspace (`torch_after`).
     Nothing the hooks touch depends on the step or lives in XLA's scratch memory, so XLA records
-    the program into a CUDA graph at its second execution and replays it from the third, at a
-    fraction of the per-thunk dispatch (BENCHMARKS.md).  `next_step` zeroes every word again on
+    the program into a CUDA graph at its second execution and can replay it from the third, at a
+    fraction of the per-thunk dispatch, as long as the program's other buffers keep their
+    addresses too (BENCHMARKS.md).  `next_step` zeroes every word again on
     torch's stream, after torch's stream waited for the last step's program: no flag left set
     (by an abandonment of a step whose program never ran) releases a layer of the next step
     early.  A step left half-way must be released (`abandon`), or JAX's stream waits forever:

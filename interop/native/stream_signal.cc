@@ -27,7 +27,7 @@ static ffi::Error DriverFailed(const char* handler, const char* call, int rc) {
                     std::string("ckv ") + handler + ": " + call + " failed with CUresult " + std::to_string(rc));
 }
 
-// One run of a handler in its `state` words: the stream word, then the count.
+// One run of a handler in its `state` words: [0] the count of runs, [1] the stream of the last.
 static ffi::Error Counted(uint64_t state, uint64_t stream) {
   auto* words = reinterpret_cast<uint64_t*>(state);
   // atomic: on a CPU the handlers of several devices of one program run on threads at once
