@@ -68,8 +68,15 @@ class StepArrays:
 
 def step_arrays(plan: StepPlan, block_table, mesh: jax.sharding.Mesh | None = None, *,
                 chunk_capacity: int | None = None) -> StepArrays:
-    """The step's arrays from its plan and block table, replicated on `mesh` (None: on the default
-    device), in one transfer.  Check the block table first (`check_block_table`).
+    """The step's arrays from its plan and block table (`host_step_arrays`), replicated on `mesh`
+    (None: on the default device), in one transfer."""
+    host = host_step_arrays(plan, block_table, chunk_capacity=chunk_capacity)
+    return jax.device_put(host, None if mesh is None else NamedSharding(mesh, P()))
+
+
+def host_step_arrays(plan: StepPlan, block_table, *, chunk_capacity: int | None = None) -> StepArrays:
+    """The step's arrays as numpy int32 arrays, from its plan and block table.  Check the block
+    table first (`check_block_table`).
 
     chunk_capacity: the rows of the latent buffers the chunk will be patched from, when they hold
     more than the step's T tokens (a persistent buffer sized once): `chunk_rows` is then padded
@@ -77,7 +84,8 @@ def step_arrays(plan: StepPlan, block_table, mesh: jax.sharding.Mesh | None = No
     skips), so the buffers pass whole and the programs' shapes stay the same from step to step.
     """
     table = np.asarray(block_table).astype(np.int32)
-    rows, slots = chunk_rows(plan), dcp_slot_mapping(plan, table)
+    pos = plan.positions()
+    rows, slots = _chunk_rows(plan, pos), _slot_mapping(plan, table, pos)
     if chunk_capacity is not None:
         if isinstance(chunk_capacity, bool) or not isinstance(chunk_capacity, (int, np.integer)) \
                 or chunk_capacity < plan.num_tokens:
@@ -86,11 +94,9 @@ def step_arrays(plan: StepPlan, block_table, mesh: jax.sharding.Mesh | None = No
         pad = int(chunk_capacity) - len(rows)
         rows = np.concatenate([rows, np.full(pad, -1, np.int32)])
         slots = np.concatenate([slots, np.full((slots.shape[0], pad), -1, np.int32)], axis=1)
-    host = StepArrays(block_table=table, local_cu=plan.local_cu_seq_lens, slots=slots,
-                      chunk_rows=rows, req_id=plan.req_id_per_token, causal_len=plan.causal_lens(),
-                      rank_lens=plan.rank_req_lens,
-                      num_rows=plan.padded_tokens, layout=plan.layout)
-    return jax.device_put(host, None if mesh is None else NamedSharding(mesh, P()))
+    return StepArrays(block_table=table, local_cu=plan.local_cu_seq_lens, slots=slots,
+                      chunk_rows=rows, req_id=plan.req_id_per_token, causal_len=pos + 1,
+                      rank_lens=plan.rank_req_lens, num_rows=plan.padded_tokens, layout=plan.layout)
 
 
 def workspace_rows(plan: StepPlan, req, pos):
@@ -105,13 +111,19 @@ def workspace_rows(plan: StepPlan, req, pos):
 
 def chunk_rows(plan: StepPlan) -> np.ndarray:
     """i32[T]: the workspace row of every current-chunk token (all owners, all requests)."""
-    return workspace_rows(plan, plan.req_id_per_token, plan.positions().astype(np.int64)).astype(np.int32)
+    return _chunk_rows(plan, plan.positions())
 
 
 def dcp_slot_mapping(plan: StepPlan, block_table) -> np.ndarray:
     """i32[D, T]: each rank's slot for every current-chunk token (-1 where another rank owns it)."""
-    table = np.asarray(block_table)
-    pos = plan.positions()
+    return _slot_mapping(plan, np.asarray(block_table), plan.positions())
+
+
+def _chunk_rows(plan: StepPlan, pos: np.ndarray) -> np.ndarray:
+    return workspace_rows(plan, plan.req_id_per_token, pos.astype(np.int64)).astype(np.int32)
+
+
+def _slot_mapping(plan: StepPlan, table: np.ndarray, pos: np.ndarray) -> np.ndarray:
     return np.stack([plan.layout.slot_mapping(pos, plan.req_id_per_token, table, rank)
                      for rank in range(plan.world_size)]).astype(np.int32)
 

@@ -254,7 +254,7 @@ class PrefetchOrchestrator:
         return plan.eligible
 
     def begin_step(self, plan: StepPlan, block_table, *, prefetch: bool = True, chunk_capacity: int | None = None,
-                   after=None):
+                   after=None, place=None):
         """Start a step: pending prefetches of every lane are dropped, cache bindings kept.
 
         prefetch: dispatch at once, for every lane, the gathers of its first registered layers
@@ -264,6 +264,9 @@ class PrefetchOrchestrator:
         0's attention, instead of in front of it.
         chunk_capacity: the rows of the buffers the chunk's latents will come in, when more than
         the step's tokens (`dcp_step.step_arrays`).  after: see `gather`.
+        place: how the step's host arrays (`dcp_step.host_step_arrays`) reach the mesh, a function
+        of them returning the device arrays, ordered before every program of the step; None:
+        `jax.device_put`, replicated (new buffers every step).
         """
         if plan.layout != self.layout:
             raise ValueError(f"plan: expected layout {self.layout}, got {plan.layout}")
@@ -273,7 +276,10 @@ class PrefetchOrchestrator:
         self._plan = plan
         self._checked_chunk = None
         # every gather and patch of the step reuses them
-        self._arrays = dcp_step.step_arrays(plan, block_table, self.mesh, chunk_capacity=chunk_capacity)
+        if place is None:
+            self._arrays = dcp_step.step_arrays(plan, block_table, self.mesh, chunk_capacity=chunk_capacity)
+        else:
+            self._arrays = place(dcp_step.host_step_arrays(plan, block_table, chunk_capacity=chunk_capacity))
         for state in self._lanes.values():
             state.pending.clear()
             state.last_layer = None

@@ -64,9 +64,8 @@ class StepPlan:
 
     def positions(self) -> np.ndarray:
         """Global position of every query row: seq_len - q_len + (t - q_start)."""
-        req = self.req_id_per_token
-        t = np.arange(self.num_tokens)
-        return (self.seq_lens[req] - self.query_lens[req] + t - self.query_start_loc[req]).astype(np.int32)
+        start = self.seq_lens - self.query_lens - self.query_start_loc[:-1]           # [R]
+        return (np.arange(self.num_tokens, dtype=np.int32) + np.repeat(start, self.query_lens)).astype(np.int32)
 
     def causal_lens(self) -> np.ndarray:
         """i32[T]: tokens each query row may attend (its global position + 1)."""

@@ -75,14 +75,9 @@ from ckv_jax.dcp_layout import DcpLayout
 from ckv_jax.prefetch import PrefetchOrchestrator, WorkspacePool, slot_still_referenced
 from ckv_jax.prefetch_config import GatherConfig
 from ckv_jax.step_plan import build_step_plan
-from interop import bridge, step_runner, stream_handoff, torch_records, torch_topk
+from interop import bridge, resident_arrays, step_runner, stream_handoff, torch_records, torch_topk
 
 log = logging.getLogger("ckv_jax.interop")
-
-
-def _replicated_on(mesh: jax.sharding.Mesh, local: jax.Array) -> jax.Array:
-    """This process's single-device array as the replicated global array of `mesh`."""
-    return jax.make_array_from_single_device_arrays(local.shape, NamedSharding(mesh, P()), [local])
 
 
 class TorchWorkspacePool(WorkspacePool):
@@ -97,7 +92,7 @@ class TorchWorkspacePool(WorkspacePool):
         def allocate(rows, record_bytes):
             t = torch.zeros((rows, record_bytes), dtype=torch.uint8, device=device)
             tensors.append(t)
-            return _replicated_on(mesh, bridge.to_jax(t, name="workspace slot", device=jax_device))
+            return bridge.replicated_on(mesh, bridge.to_jax(t, name="workspace slot", device=jax_device))
 
         super().__init__(mesh, plan, world_size, record_bytes, allocate=allocate)
         self._tensors = [tensors[lane * plan.slots:(lane + 1) * plan.slots] for lane in range(plan.lanes)]
@@ -184,6 +179,9 @@ class TorchCkvAdapter:
         self._keepalive: list = []         # torch tensors JAX may still read this step
         self._host_slots = None            # DLPack path: this rank's cache slot of every chunk token
         self._topk_tables = None           # the step's `torch_topk.TopkTables`
+        # cuda-events and step-program: the step's arrays in memory that stays put
+        self._resident = resident_arrays.ResidentStepArrays(mesh, self.device, self.torch_device) \
+            if self.events else None
         self.step = None                   # step-program: the `step_runner.StepRunner`
         if self.ordering == "step-program":
             self.step = step_runner.StepRunner(
@@ -258,13 +256,21 @@ class TorchCkvAdapter:
         if self.step is not None:
             self._begin_step_program(plan, table, kv_caches)
             return True
-        self.events.jax_after_torch(self.events.torch_stream())
-        self.orch.begin_step(plan, table, chunk_capacity=self._chunk_rows)
+        self.orch.begin_step(plan, table, chunk_capacity=self._chunk_rows, place=self._place_arrays)
         return True
+
+    def _place_arrays(self, host):
+        """cuda-events: the step's arrays into the resident buffer, then JAX's stream after torch's
+        (the copy, and the caches' last writes, before the first prefetches)."""
+        arrays = self._resident.refresh(host)
+        self.events.jax_after_torch(self.events.torch_stream())
+        return arrays
 
     def _begin_step_program(self, plan, table, kv_caches):
         """step-program: bind the caches, size the chunk buffers, dispatch the step's program."""
-        self.orch.begin_step(plan, table, prefetch=False, chunk_capacity=self._chunk_rows)
+        # (the runner orders its program after the arrays' copy on torch's stream)
+        self.orch.begin_step(plan, table, prefetch=False, chunk_capacity=self._chunk_rows,
+                             place=self._resident.refresh)
         caches = [self._cache("target", layer, kv_cache) for layer, kv_cache in enumerate(kv_caches)]
         if len({t.data_ptr() for t in kv_caches}) != len(kv_caches):
             raise ValueError("kv_caches: expected one cache tensor of its own per layer; some share memory "
@@ -494,7 +500,7 @@ class TorchCkvAdapter:
         held = self._chunk_buffers.get(key)
         if held is None or held[0].shape[0] != self._chunk_rows:
             buf = torch.empty((self._chunk_rows, width), dtype=dtype, device=self.torch_device)
-            held = self._chunk_buffers[key] = (buf, _replicated_on(
+            held = self._chunk_buffers[key] = (buf, bridge.replicated_on(
                 self.mesh, bridge.to_jax(buf, name="chunk buffer", device=self.device)))
         view = self._chunk_views[key] = held[0][:self.plan.num_tokens]     # sliced once per step
         return view
@@ -523,7 +529,7 @@ class TorchCkvAdapter:
 
     def _replicated(self, local: jax.Array, tensor: torch.Tensor) -> jax.Array:
         self._keepalive.append(tensor)
-        return _replicated_on(self.mesh, local)
+        return bridge.replicated_on(self.mesh, local)
 
     def _cache(self, lane, layer_idx, kv_cache: torch.Tensor) -> jax.Array:
         """The global sharded cache u8[D * num_blocks, block_size, R], imported once per tensor."""

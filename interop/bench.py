@@ -44,6 +44,9 @@ case).  Per row:
   step_host_us_per_layer  host wall time of a step's `begin_step` and every layer's calls, per
                        layer (median over trials): with `--ordering step-program` begin_step
                        dispatches the whole step's program, which this counts
+  replayed_steps       with `--ordering step-program`, "replayed/dispatched": of the row's steps
+                       (warm-up trials included), those whose program XLA replayed as a recorded
+                       CUDA graph, running no hook on the host
   host_probe_us        the host's speed at that row: one dispatch of a trivial jitted program
                        and one small torch op (median of a loop of each, us), so host figures
                        of different runs can be told apart from a slower machine
@@ -420,6 +423,7 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
                     compute = computes[x][kind]
                     indexer = indexers[x] and indexers[x][kind]
                     probe = host_probe_us()
+                    runs_before = {d: len(a.step.hooks_run) for d, a in adapters.items() if a.step is not None}
                     compute_only, steps, host, begin, step_host = _interleaved(work, adapters, depths, compute,
                                                                                trials, indexer=indexer)
                     alone = statistics.median(compute_only)
@@ -443,7 +447,8 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
                             host_us_per_layer=1e6 * statistics.median(host[depth]),
                             begin_step_us=1e6 * statistics.median(begin[depth]),
                             step_host_us_per_layer=1e6 * statistics.median(step_host[depth]) / layers,
-                            host_probe_jax_us=probe["jax"], host_probe_torch_us=probe["torch"]))
+                            host_probe_jax_us=probe["jax"], host_probe_torch_us=probe["torch"],
+                            replayed_steps=_replayed(adapters[depth], runs_before.get(depth))))
                     exposed0 = by_depth[min(depths)] - alone
                     for r in rows[-len(depths):]:
                         r["hidden_pct"] = 100 * (1 - (r["step_ms"] - alone) / exposed0)
@@ -463,12 +468,21 @@ HEADER = (f"{'kind':>6} {'stream':>7} {'writer':>7} {'history':>8} {'X ms':>6} {
 def _line(rows) -> str:
     r0 = rows[0]
     cells = "  ".join(f"d{r['depth']} {r['step_ms']:7.2f} ({r['hidden_pct']:5.1f}%{'*' * (r['hidden_pct'] > 100)}, "
-                      f"{r['host_us_per_layer']:4.0f}, {r['spread_pct']:.1f})" for r in rows)
+                      f"{r['host_us_per_layer']:4.0f}, {r['spread_pct']:.1f}"
+                      f"{'' if r['replayed_steps'] is None else ', replayed ' + r['replayed_steps']})" for r in rows)
     return (f"{r0['compute_kind']:>6} {r0['torch_stream']:>7} {r0['cache_write']:>7} {r0['history']:>8} "
             f"{r0['compute_ms_per_layer']:6.2f} "
             f"{r0['gather_ms_per_layer']:9.3f} {r0['compute_only_ms']:13.2f} ({r0['compute_only_spread_pct']:4.1f}) "
             f"{cells}  "
             f"probe {r0['host_probe_jax_us']:.0f}/{r0['host_probe_torch_us']:.0f} us")
+
+
+def _replayed(adapter, runs_before) -> str | None:
+    """step-program: "replayed/dispatched" of the steps since `runs_before` dispatches."""
+    if adapter.step is None:
+        return None
+    runs = adapter.step.hooks_run[runs_before:]
+    return f"{runs.count(0)}/{len(runs)}"
 
 
 def _signal_kind(adapter) -> str:

@@ -23,7 +23,6 @@ import threading
 import time
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ckv_jax import dcp_step
 from interop import bridge, native_signal, stream_handoff
@@ -99,8 +98,7 @@ class StepRunner:
                 self.flags = stream_handoff.StepFlags(self.events.device, self.events.jax_stream,
                                                       self.events.jax_stream.cuda_stream, layers=len(caches))
                 local = bridge.to_jax(self.flags.words, name="step flags", device=self.mesh.devices.flat[0])
-                self._words = jax.make_array_from_single_device_arrays(
-                    local.shape, NamedSharding(self.mesh, P()), [local])
+                self._words = bridge.replicated_on(self.mesh, local)
             self.events.torch_after_jax(stream)        # the last program is done with the flags
             self.flags.next_step(stream)
             self.events.jax_after_torch(stream)

@@ -751,10 +751,37 @@ def test_the_step_program_ordering_is_exact_in_every_order_and_replays(depth, st
             torch_stream.synchronize()      # (the check's JAX gathers only once the step is done)
             _assert_written(ours, plan, got, caches, want, f"depth {depth} {stream} round {round_} T {plan.num_tokens}")
     assert [c.data_ptr() for c in ours.caches] == pointers
-    # each shape's first dispatch ran every hook (thunk by thunk); later ones were recorded anew
-    # or replayed (0), as the step arrays' addresses allow
-    runs = adapter.step.hooks_run
-    assert len(runs) == 6 and runs[:2] == [2 * layers] * 2 and max(runs) == 2 * layers, runs
+    # each shape's first dispatch ran every hook (thunk by thunk), its second recorded the
+    # program (the hooks run once more, into the graph), the third replayed it: every buffer it
+    # reads, the step's arrays included, stayed where it was
+    assert adapter.step.hooks_run == [2 * layers] * 4 + [0, 0]
+    adapter.close()
+
+
+@pytest.mark.parametrize("ordering", ["cuda-events", "step-program"])
+def test_a_steps_arrays_stay_put_and_a_queued_step_keeps_its_own(ordering):
+    """Two steps of the same shapes back to back, the first still queued behind long matmuls
+    when the host begins the second: the second step's arrays go into the memory the first's
+    programs read (so a recorded program replays), after them on torch's stream, and both
+    steps are exact."""
+    layers = 3
+    ours = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
+    theirs = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
+    adapter = _step_adapter(2, step_timeout_s=120) if ordering == "step-program" else _adapter(2, ordering)
+    a = torch.randn(4096, 4096, device="cuda")
+    hist, q = STEPS[0]
+    results, pointers = [], []
+    for step_hist in (hist, hist + 3):                 # other lengths, the same shapes
+        plan = ours.plan(step_hist, q, min_world_size=1)
+        caches = dict(kv_caches=ours.caches) if ordering == "step-program" else {}
+        assert adapter.begin_step(torch.tensor(step_hist + q), torch.tensor(q), ours.block_table.cpu(), **caches)
+        pointers.append([leaf.unsafe_buffer_pointer() for leaf in jax.tree_util.tree_leaves(adapter.orch.step_arrays)])
+        got, caches, want, a = _written_step(adapter, ours, theirs, plan, a)
+        results.append((plan, got, caches, want))
+    torch.cuda.synchronize()
+    assert pointers[0] == pointers[1]
+    for index, (plan, got, caches, want) in enumerate(results):
+        _assert_written(ours, plan, got, caches, want, f"{ordering} step {index}")
     adapter.close()
 
 
