@@ -24,21 +24,20 @@ class TopkTables:
       req_id  i32[T]     the request of every query row
       causal  i32[T]     global causal length of every query row (its position + 1)
       base    i32[D * R] the first workspace row of each (rank, request) shard: o * P + starts[o, r]
-      lens    i32[D * R] local lengths per (rank, request)
     """
 
     def __init__(self, plan: StepPlan, device: torch.device):
         self.layout, self.num_tokens, self.num_reqs = plan.layout, plan.num_tokens, plan.num_reqs
         d = plan.layout.world_size
         base = np.arange(d, dtype=np.int64)[:, None] * plan.padded_tokens + plan.rank_req_starts
-        host = torch.from_numpy(np.concatenate([plan.req_id_per_token, plan.causal_lens(), base.ravel(),
-                                                plan.rank_req_lens.ravel()]).astype(np.int32))
+        host = torch.from_numpy(np.concatenate([plan.req_id_per_token, plan.causal_lens(),
+                                                base.ravel()]).astype(np.int32))
         if device.type == "cuda":
             # pinned, so the copy is asynchronous (torch's host allocator keeps the pinned block
             # until the copy has run)
             host = host.pin_memory().to(device, non_blocking=True)
-        t, cells = self.num_tokens, d * self.num_reqs
-        self.req_id, self.causal, self.base, self.lens = host.split([t, t, cells, cells])
+        t = self.num_tokens
+        self.req_id, self.causal, self.base = host.split([t, t, d * self.num_reqs])
         self.device = host.device
 
 
@@ -54,17 +53,19 @@ def remap_topk(topk: torch.Tensor, tables: TopkTables) -> tuple[torch.Tensor, to
                          f"got {topk.dtype}{list(topk.shape)}")
     if topk.device != tables.device:
         raise ValueError(f"topk: on {topk.device}, expected {tables.device} (the adapter's device)")
-    layout = tables.layout
-    k = topk.shape[1]
-    owner = (topk // layout.interleave % layout.world_size).clamp_(0, layout.world_size - 1)
-    local = topk // layout.span * layout.interleave + topk % layout.interleave
-    cell = owner * tables.num_reqs + tables.req_id[:, None]
-    valid = (topk >= 0) & (topk < tables.causal[:, None]) & (local < tables.lens[cell])
-    rows = torch.where(valid, tables.base[cell] + local, -1)
-    # a permutation of each row: valid entries to the front in their order, the -1s after them
-    kept = torch.cumsum(valid, dim=1, dtype=torch.int32)
-    counts = valid.sum(dim=1, dtype=torch.int32)
-    dropped = torch.arange(1, k + 1, dtype=torch.int32, device=topk.device) - kept
-    dest = torch.where(valid, kept - 1, counts[:, None] + dropped - 1)
-    out = torch.empty_like(topk).scatter_(1, dest.long(), rows)
-    return out, counts
+    layout, d = tables.layout, tables.layout.world_size
+    # floor division and modulo: any entry, negative or past the request, maps to an owner in
+    # [0, D) and so to a cell inside the tables; the mask below drops it
+    if layout.interleave == 1:
+        owner, local = topk % d, topk // d
+    else:
+        owner = topk // layout.interleave % d
+        local = topk // layout.span * layout.interleave + topk % layout.interleave
+    # valid needs no check of the owner's local length: pos < causal <= the request's length,
+    # and a rank's local indices number the positions it owns below that length in order
+    valid = (topk >= 0) & (topk < tables.causal[:, None])
+    cells = tables.req_id[:, None] if d == 1 else owner * tables.num_reqs + tables.req_id[:, None]
+    rows = torch.where(valid, tables.base[cells] + local, -1)
+    # valid entries to the front of each row in their order, the -1s after them (a stable sort)
+    order = torch.argsort(valid, dim=1, descending=True, stable=True)
+    return rows.gather(1, order), valid.sum(dim=1, dtype=torch.int32)
