@@ -24,11 +24,13 @@ while torch computes layer L.  Three ordering protocols, chosen once (`ordering`
   slots are torch memory imported into JAX once, and every gather and patch writes into them in
   place; the chunk's latents are read from two persistent buffers, imported once (again only
   when a step has more tokens than they hold), which the engine writes into (`chunk_buffers`)
-  or torch copies other tensors into.  `begin_step` dispatches the gathers of the first layers
-  (`depth` of them, at most two; JAX's stream first waits on torch's, for the caches' last
-  writes).  Per call: JAX's stream waits on an event of torch's current stream (so JAX
-  runs after torch's cache writes, the chunk copy and torch's reads of a slot it reuses; a
-  patch of latents in the chunk buffers waits only for the point `set_current_chunk` marked,
+  or torch copies other tensors into; the step's arrays (block table, slots, lengths) are one
+  torch buffer per set of shapes, refreshed by a copy on torch's stream
+  (`interop.resident_arrays`).  `begin_step` dispatches the gathers of the first layers (`depth`
+  of them, at most two; JAX's stream first waits on torch's, for that copy and the caches' last
+  writes).  Per call: JAX's stream waits on an event of torch's current stream (so JAX runs
+  after torch's cache writes, the chunk copy and torch's reads of a slot it reuses; a patch of
+  latents in the chunk buffers waits only for the point `set_current_chunk` marked,
   so it runs beside the cache write); one program writes the layer's cache when the engine
   leaves that to it (`write_cache=True`; with a patch, one kernel stores each record into the
   cache and the slot), patches (or gathers) the layer's slot,
@@ -46,8 +48,8 @@ while torch computes layer L.  Three ordering protocols, chosen once (`ordering`
   order, raises layer l's flag on torch's stream (its latents are in the chunk buffers, its
   cache holds the history) and makes torch's stream wait on the layer's event.  The program
   writes each layer's cache, patches or gathers its slot and prefetches layer l + depth (XLA
-  records it as a CUDA graph; `interop.step_runner` says when it replays it).  Per layer the
-  host writes one word and waits on one event.  The process must load CUDA kernels eagerly
+  records it as a CUDA graph and replays it from a step shape's third step on;
+  `interop.step_runner` says when).  Per layer the host writes one word and waits on one event.  The process must load CUDA kernels eagerly
   (CUDA_MODULE_LOADING=EAGER) and make no device-wide synchronization while a step is open:
   its program holds JAX's stream until the host releases the next layer, so such a
   synchronization waits until the watchdog (`step_timeout_s`) abandons the step, and the

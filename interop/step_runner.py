@@ -3,9 +3,11 @@
 raises (`stream_handoff.StepFlags`).  Per layer the host writes one word on torch's stream and
 makes torch's stream wait on one event: no JAX dispatch, import or export.  XLA executes the
 program thunk by thunk at its first dispatch and records it into a CUDA graph at the second; it
-replays the graph only while every buffer the program reads stays where it was, and the step's
-arrays are transferred anew each step, so it mostly records again (`hooks_run` counts the hooks
-run on the host per step, 0 for a replay; BENCHMARKS.md, thirty-seventh section).
+replays the graph only while every buffer the program reads stays where it was.  Every input
+does: the caches, ring slots, chunk buffers and flags are torch memory imported once, and the
+step's arrays are refreshed in place (`interop.resident_arrays`); so a step shape's later steps
+replay, unless JAX allocated other buffers between them (`hooks_run` counts the hooks run on the
+host per step, 0 for a replay; BENCHMARKS.md, thirty-eighth section).
 
 A program queued ahead makes any device-wide synchronization of the host (torch.cuda.synchronize,
 cudaFree when torch's allocator releases its cache, a kernel's lazy loading) wait for JAX's
