@@ -36,9 +36,13 @@ class DcpLayout:
         return self.world_size * self.interleave
 
     def owner(self, pos):
+        if self.interleave == 1:          # (the same, in fewer array ops)
+            return pos % self.world_size
         return (pos // self.interleave) % self.world_size
 
     def local_index(self, pos):
+        if self.interleave == 1:
+            return pos // self.world_size
         return (pos // self.span) * self.interleave + pos % self.interleave
 
     def global_index(self, rank, local):
@@ -56,7 +60,8 @@ class DcpLayout:
         return (lens if rank is None else lens[..., 0]).astype(np.int32)
 
     def slot_mapping(self, positions, req_ids, block_table, rank):
-        """Slots of tokens on `rank` (-1 where another rank owns the token).
+        """Slots of tokens on `rank` (-1 where another rank owns the token): i32[T], or with
+        rank=None every rank's, i32[D, T] (one block lookup for all of them).
 
         positions: i32[T] global positions; req_ids: i32[T] request of each token;
         block_table: i32[R, max_blocks] shared by all ranks.  Works with numpy or jax arrays.
@@ -65,10 +70,14 @@ class DcpLayout:
         virtual = self.block_size * self.world_size
         block_idx = positions // virtual
         offset_in_virtual = positions % virtual
-        local = (offset_in_virtual // self.interleave) % self.world_size == rank
+        owner = (offset_in_virtual // self.interleave) % self.world_size
         offset = (offset_in_virtual // self.span) * self.interleave + offset_in_virtual % self.interleave
         block = block_table[req_ids, xp.minimum(block_idx, block_table.shape[1] - 1)]
-        return xp.where(local, block * self.block_size + offset, -1).astype(xp.int32)
+        slots = block * self.block_size + offset
+        if rank is None:
+            ranks = xp.arange(self.world_size)[:, None]
+            return xp.where(owner[None, :] == ranks, slots[None, :], -1).astype(xp.int32)
+        return xp.where(owner == rank, slots, -1).astype(xp.int32)
 
     def blocks_needed(self, local_len):
         return -(-np.asarray(local_len) // self.block_size)

@@ -124,8 +124,7 @@ def _chunk_rows(plan: StepPlan, pos: np.ndarray) -> np.ndarray:
 
 
 def _slot_mapping(plan: StepPlan, table: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    return np.stack([plan.layout.slot_mapping(pos, plan.req_id_per_token, table, rank)
-                     for rank in range(plan.world_size)]).astype(np.int32)
+    return plan.layout.slot_mapping(pos, plan.req_id_per_token, table, None)
 
 
 # -- host checks: each written once ----------------------------------------------------------------

@@ -38,7 +38,9 @@ class ResidentStepArrays:
 
     def refresh(self, host: dcp_step.StepArrays) -> dcp_step.StepArrays:
         """host: the step's numpy arrays (`dcp_step.host_step_arrays`).  The copy runs on torch's
-        current stream, which must be past every program that read the last step's arrays."""
+        current stream, which must be past every program that read the last step's arrays.  The
+        arrays returned are views of the buffer, for programs to read: a host read of one (e.g.
+        np.asarray) would keep the values it saw, which the next refresh overwrites."""
         leaves, treedef = jax.tree_util.tree_flatten(host)
         for leaf in leaves:
             if not (isinstance(leaf, np.ndarray) and leaf.dtype == np.int32):

@@ -1,4 +1,5 @@
 """DCP layout formulas and the step plan against naive counting (hypothesis)."""
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -42,12 +43,17 @@ def test_slot_mapping_places_each_token_on_its_owner_at_its_local_index(layout, 
     for r, n in enumerate(lens):
         owner, local, _ = naive_owner_local(layout, n)
         pos = np.arange(n, dtype=np.int32)
+        every = layout.slot_mapping(pos, np.full(n, r, np.int32), table, None)      # all ranks at once
+        assert every.shape == (layout.world_size, n) and every.dtype == np.int32
+        jax_every = layout.slot_mapping(jnp.asarray(pos), jnp.full(n, r, jnp.int32), jnp.asarray(table), None)
+        assert np.array_equal(np.asarray(jax_every), every)
         for rank in range(layout.world_size):
             slots = layout.slot_mapping(pos, np.full(n, r, np.int32), table, rank)
             mine = owner == rank
             assert (slots[~mine] == -1).all()
             want = table[r, local[mine] // layout.block_size] * layout.block_size + local[mine] % layout.block_size
             assert np.array_equal(slots[mine], want)
+            assert np.array_equal(every[rank], slots)
 
 
 def test_local_seq_lens_examples_from_upstream():

@@ -1,5 +1,6 @@
 """The torch adapter's host-time tools (maintainer tools, not installed): the per-name medians
-of a traced gather, their table across rounds, and the per-thread CPU accounting."""
+of a traced gather, their table across rounds, the per-thread CPU accounting, and the timing of
+`begin_step`'s host pieces."""
 import sys
 import threading
 import time
@@ -10,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
 import adapter_host_drift  # noqa: E402
 import adapter_host_timeline  # noqa: E402
+import step_host_pieces  # noqa: E402
 
 
 def test_per_name_sums_each_gathers_pieces_and_counts_nested_repeats_once():
@@ -85,3 +87,9 @@ def test_sample_shares_classifies_the_adapters_samples_and_leaves_compiles_out()
     assert lines[6] == "the deepest ckv-jax line of each sample, by share:"
     assert lines[7].split() == ["66.7%", *program.split()]         # both jit samples end in the closure
     assert adapter_host_timeline.sample_shares(raw[-2:]) == "no samples inside the adapter's calls"
+
+
+def test_the_host_pieces_of_begin_step_are_timed_for_a_step_of_several_ranks():
+    got = step_host_pieces.pieces(world_size=2, requests=3, history=1000, chunk=96, calls=2, rounds=1)
+    assert list(got) == ["build_step_plan", "check_block_table", "host_step_arrays", "topk_tables"]
+    assert all(us > 0 for us in got.values())
