@@ -48,15 +48,15 @@ while torch computes layer L.  Three ordering protocols, chosen once (`ordering`
   order, raises layer l's flag on torch's stream (its latents are in the chunk buffers, its
   cache holds the history) and makes torch's stream wait on the layer's event.  The program
   writes each layer's cache, patches or gathers its slot and prefetches layer l + depth (XLA
-  records it as a CUDA graph and replays it from a step shape's third step on;
-  `interop.step_runner` says when).  Per layer the host writes one word and waits on one event.  The process must load CUDA kernels eagerly
-  (CUDA_MODULE_LOADING=EAGER) and make no device-wide synchronization while a step is open:
-  its program holds JAX's stream until the host releases the next layer, so such a
-  synchronization waits until the watchdog (`step_timeout_s`) abandons the step, and the
-  step's next call raises `StepAbandoned`.  The watchdog is a Python thread: a host blocked
-  inside a torch op that holds the GIL (a library torch initializes on first use, such as
-  cuBLAS at the process's first matmul, synchronizing the device) cannot be rescued, so run
-  every such library once before the first step.
+  records it as a CUDA graph and mostly replays it from a step shape's third step on;
+  `interop.step_runner` says when).  Per layer the host writes one word and waits on one event.
+  The process must load CUDA kernels eagerly (CUDA_MODULE_LOADING=EAGER) and make no
+  device-wide synchronization while a step is open: its program holds JAX's stream until the
+  host releases the next layer, so such a synchronization waits until the watchdog
+  (`step_timeout_s`) abandons the step, and the step's next call raises `StepAbandoned`.  The
+  watchdog is a Python thread: a host blocked inside a torch op that holds the GIL (a library
+  torch initializes on first use, such as cuBLAS at the process's first matmul, synchronizing
+  the device) cannot be rescued, so run every such library once before the first step.
   kv_c must be bf16, one lane only (no ubatches or speculative lanes).
 
 The returned view is valid until its ring slot is reused (depth + 1 layers later, or the next
