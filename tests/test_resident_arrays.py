@@ -44,6 +44,23 @@ def test_each_refresh_holds_the_steps_values_in_the_same_memory_while_the_shapes
     assert seen[1] == seen[0] and seen[3] == seen[0] and seen[2] != seen[0]
 
 
+def test_the_oldest_shapes_buffer_is_dropped_beyond_the_kept_number():
+    device = jax.devices("cpu")[0]
+    mesh = jax.make_mesh((1,), (placement.DCP_AXIS,), devices=[device])
+    resident = ResidentStepArrays(mesh, device, torch.device("cpu"), shapes_kept=2)
+    table = np.random.default_rng(5).permutation(27).astype(np.int32).reshape(3, 9)
+    a, b, c = (_host([40, 9, 71], [17, 3, 12], table, 64), _host([41, 30], [9, 23], table[:2], 64),
+               _host([40, 9, 71], [17, 3, 12], table, 128))
+    first = _pointers(resident.refresh(a))
+    resident.refresh(b)
+    assert _pointers(resident.refresh(a)) == first          # two sets kept: a's buffer still there
+    resident.refresh(c)                                      # a third set drops the oldest, b's
+    assert len(resident._buffers) == 2
+    got = resident.refresh(b)                                # b again: a new buffer, then a's is the oldest
+    np.testing.assert_array_equal(np.asarray(got.slots), b.slots)
+    assert set(resident._buffers) == {tuple(x.shape for x in jax.tree_util.tree_leaves(h)) for h in (c, b)}
+
+
 def test_a_refresh_takes_only_the_host_arrays_of_a_step():
     device = jax.devices("cpu")[0]
     mesh = jax.make_mesh((1,), (placement.DCP_AXIS,), devices=[device])
