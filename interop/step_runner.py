@@ -99,7 +99,7 @@ class StepRunner:
             if self.flags is None or self.flags.layers != len(caches):
                 self.flags = stream_handoff.StepFlags(self.events.device, self.events.jax_stream,
                                                       self.events.jax_stream.cuda_stream, layers=len(caches))
-                local = bridge.to_jax(self.flags.words, name="step flags", device=self.mesh.devices.flat[0])
+                local = bridge.to_jax(self.flags.words, name="step flags", device=self.mesh.local_devices[0])
                 self._words = bridge.replicated_on(self.mesh, local)
             self.events.torch_after_jax(stream)        # the last program is done with the flags
             self.flags.next_step(stream)
