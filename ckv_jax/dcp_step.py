@@ -85,7 +85,7 @@ def host_step_arrays(plan: StepPlan, block_table, *, chunk_capacity: int | None 
     """
     table = np.asarray(block_table).astype(np.int32)
     pos = plan.positions()
-    rows, slots = _chunk_rows(plan, pos), _slot_mapping(plan, table, pos)
+    rows, slots = _chunk_rows(plan, pos), plan.layout.slot_mapping(pos, plan.req_id_per_token, table, None)
     if chunk_capacity is not None:
         if isinstance(chunk_capacity, bool) or not isinstance(chunk_capacity, (int, np.integer)) \
                 or chunk_capacity < plan.num_tokens:
@@ -116,15 +116,11 @@ def chunk_rows(plan: StepPlan) -> np.ndarray:
 
 def dcp_slot_mapping(plan: StepPlan, block_table) -> np.ndarray:
     """i32[D, T]: each rank's slot for every current-chunk token (-1 where another rank owns it)."""
-    return _slot_mapping(plan, np.asarray(block_table), plan.positions())
+    return plan.layout.slot_mapping(plan.positions(), plan.req_id_per_token, np.asarray(block_table), None)
 
 
 def _chunk_rows(plan: StepPlan, pos: np.ndarray) -> np.ndarray:
     return workspace_rows(plan, plan.req_id_per_token, pos.astype(np.int64)).astype(np.int32)
-
-
-def _slot_mapping(plan: StepPlan, table: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    return plan.layout.slot_mapping(pos, plan.req_id_per_token, table, None)
 
 
 # -- host checks: each written once ----------------------------------------------------------------
