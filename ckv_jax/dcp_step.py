@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ckv_jax import formats, placement, validation
 from ckv_jax.dcp_layout import DcpLayout
 from ckv_jax.placement import DCP_AXIS
-from ckv_jax.step_plan import StepPlan
+from ckv_jax.step_plan import StepPlan, bucket_up
 from pallas_kernels import cache_writer, paged_gather
 from pallas_kernels.record_layout import RecordLayout
 
@@ -45,15 +45,20 @@ class StepArrays:
     """The device-side arrays of one step, identical on every rank (a registered pytree; a
     shard_map takes it whole with spec P()).
 
-      block_table i32[R, max_blocks]  shared by all ranks
-      local_cu    i32[D, R + 1]       each rank's cumulative local lengths, leading 0
-      slots       i32[D, T]           each rank's cache slot of every chunk token, -1 where another
+      block_table i32[R', W']         shared by all ranks
+      local_cu    i32[D, R' + 1]      each rank's cumulative local lengths, leading 0
+      slots       i32[D, T']          each rank's cache slot of every chunk token, -1 where another
                                       rank owns the token (and in padding rows, below)
-      chunk_rows  i32[T]              the gathered-workspace row of every chunk token (-1: padding)
-      req_id      i32[T]              the request of every query row
-      causal_len  i32[T]              global causal length of every query row (its position + 1)
-      rank_lens   i32[D, R]           local lengths per rank
+      chunk_rows  i32[T']             the gathered-workspace row of every chunk token (-1: padding)
+      req_id      i32[T']             the request of every query row (0 in padding rows)
+      causal_len  i32[T']             global causal length of every query row (its position + 1;
+                                      0 in padding rows: they attend nothing)
+      rank_lens   i32[D, R']          local lengths per rank
     Static: num_rows (P, the workspace rows per rank) and the DcpLayout.
+    R' >= R and W' >= the caller's table width are the plan's bucketed shapes (`bucket_up` with
+    its `shape_buckets`): padding requests have length 0 on every rank and table rows of block
+    0, padding columns block 0; none is read.  T' is T, or the chunk capacity the caller asked
+    for (`host_step_arrays`).
     """
     block_table: jax.Array
     local_cu: jax.Array
@@ -81,22 +86,40 @@ def host_step_arrays(plan: StepPlan, block_table, *, chunk_capacity: int | None 
     chunk_capacity: the rows of the latent buffers the chunk will be patched from, when they hold
     more than the step's T tokens (a persistent buffer sized once): `chunk_rows` is then padded
     to that length with -1, which the patch skips, and so is `slots` (which the cache write
-    skips), so the buffers pass whole and the programs' shapes stay the same from step to step.
+    skips), so the buffers pass whole and the programs' shapes stay the same from step to step
+    (`req_id` and `causal_len` are padded with 0).  The requests and the table's columns are
+    padded to the plan's bucketed shapes (`StepArrays`).
     """
-    table = np.asarray(block_table).astype(np.int32)
+    table = np.asarray(block_table)
     pos = plan.positions()
     rows, slots = _chunk_rows(plan, pos), plan.layout.slot_mapping(pos, plan.req_id_per_token, table, None)
+    req_id, causal_len = plan.req_id_per_token, pos + 1
     if chunk_capacity is not None:
         if isinstance(chunk_capacity, bool) or not isinstance(chunk_capacity, (int, np.integer)) \
                 or chunk_capacity < plan.num_tokens:
             raise ValueError(f"chunk_capacity: expected an int >= the step's {plan.num_tokens} query tokens, "
                              f"got {chunk_capacity!r}")
-        pad = int(chunk_capacity) - len(rows)
-        rows = np.concatenate([rows, np.full(pad, -1, np.int32)])
-        slots = np.concatenate([slots, np.full((slots.shape[0], pad), -1, np.int32)], axis=1)
-    return StepArrays(block_table=table, local_cu=plan.local_cu_seq_lens, slots=slots,
-                      chunk_rows=rows, req_id=plan.req_id_per_token, causal_len=pos + 1,
-                      rank_lens=plan.rank_req_lens, num_rows=plan.padded_tokens, layout=plan.layout)
+        rows, req_id, causal_len = (_padded(a, (int(chunk_capacity),), fill)
+                                    for a, fill in ((rows, -1), (req_id, 0), (causal_len, 0)))
+        slots = _padded(slots, (slots.shape[0], int(chunk_capacity)), -1)
+    reqs = bucket_up(plan.num_reqs, plan.shape_buckets)
+    local_cu = plan.local_cu_seq_lens
+    if reqs > plan.num_reqs:        # padding requests of length 0: their cumulative lengths repeat the last
+        local_cu = np.concatenate([local_cu, np.repeat(local_cu[:, -1:], reqs - plan.num_reqs, axis=1)], axis=1)
+    table = _padded(table, (reqs, bucket_up(table.shape[1], plan.shape_buckets)), 0)
+    return StepArrays(block_table=table, local_cu=local_cu, slots=slots, chunk_rows=rows, req_id=req_id,
+                      causal_len=causal_len, rank_lens=_padded(plan.rank_req_lens, (plan.layout.world_size, reqs), 0),
+                      num_rows=plan.padded_tokens, layout=plan.layout)
+
+
+def _padded(a: np.ndarray, shape: tuple, fill: int) -> np.ndarray:
+    """int32 `a` in the leading corner of an array of `shape`, the rest `fill` (`a` itself, as
+    int32, where it has that shape)."""
+    if a.shape == shape:
+        return a.astype(np.int32, copy=False)
+    out = np.full(shape, fill, np.int32)
+    out[tuple(slice(n) for n in a.shape)] = a
+    return out
 
 
 def workspace_rows(plan: StepPlan, req, pos):

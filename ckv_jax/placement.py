@@ -10,10 +10,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 DCP_AXIS = "dcp"
 
 
+def replicated_sharding(mesh: jax.sharding.Mesh, ndim: int) -> NamedSharding:
+    """An array of `ndim` dimensions whole on every device of `mesh` (a shard_map input with spec
+    P()), spelled as a program's output of it is (a None per dimension): an array donated to a
+    program and replaced by its output then keeps the sharding jit's cache is keyed on, instead of
+    costing a second compile of the same program."""
+    return NamedSharding(mesh, P(*(None,) * ndim))
+
+
 def replicated(mesh: jax.sharding.Mesh, *arrays):
-    """Each array placed whole on every device of `mesh` (a shard_map input with spec P())."""
-    sharding = NamedSharding(mesh, P())
-    return [jax.device_put(jnp.asarray(a), sharding) for a in arrays]
+    """Each array placed whole on every device of `mesh` (`replicated_sharding`)."""
+    arrays = [jnp.asarray(a) for a in arrays]
+    return [jax.device_put(a, replicated_sharding(mesh, a.ndim)) for a in arrays]
 
 
 def mesh_axis_size(mesh, axis_name: str = DCP_AXIS, world_size: int | None = None) -> int:
@@ -77,5 +85,6 @@ def place_caches(per_rank_caches, mesh: jax.sharding.Mesh, axis_name: str = DCP_
                              f"(rank 0's), got {c.dtype}{list(c.shape)} for rank {rank}")
     stacked = np.concatenate(caches, axis=0)
     # from a callback, so that each process of a multi-process run places only its own shards
-    return jax.make_array_from_callback(stacked.shape, NamedSharding(mesh, P(axis_name)),
+    # (spelled as a program's output of it is, like `replicated_sharding`)
+    return jax.make_array_from_callback(stacked.shape, NamedSharding(mesh, P(axis_name, None, None)),
                                         lambda index: stacked[index])

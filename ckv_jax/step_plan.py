@@ -4,6 +4,14 @@ Built once per step from the global sequence lengths (history + current chunk) a
 lengths, in numpy, identically on every rank, with no device sync.  The gathered workspace is
 rank-major: rank o's local shard of request r occupies rows
 `o * P + rank_req_starts[o, r] + local`, rows past a rank's total up to P are zero.
+
+P is a static shape of every program that touches the workspace, and so are the step's request
+count and block-table width (`dcp_step.StepArrays`): a step whose shapes differ compiles anew.
+In chunked prefill the history grows every step, so the plan rounds P up to one of a few
+values per doubling (`shape_buckets`, `bucket_up`), and the step's arrays pad the requests and
+the table's columns the same way: a prefill that grows its history step by step compiles a few
+programs per doubling of its length, not one a step, at the cost of the zero rows the pack
+writes up to P (at most 1 / shape_buckets of the rows).
 """
 from __future__ import annotations
 
@@ -16,10 +24,33 @@ from ckv_jax.dcp_layout import DcpLayout
 ROW_ALIGN = 64
 DEFAULT_MIN_TOKENS = 16
 DEFAULT_MAX_TOKENS = 131072
+# shapes per doubling of a step's sizes: 8 keeps the padding under 1/8 of the rows
+DEFAULT_SHAPE_BUCKETS = 8
 
 
 def ceil_to(x: int, m: int) -> int:
     return -(-int(x) // m) * m
+
+
+def bucket_up(n: int, per_doubling: int, align: int = 1) -> int:
+    """The shape a size n >= 0 is padded to: the smallest multiple of `align` >= n, rounded up
+    further, once above per_doubling * align, to a multiple of 2**k * align with k chosen so
+    that each doubling holds per_doubling such values.  So a size that grows step by step takes
+    at most `per_doubling` shapes per doubling, and the shape exceeds ceil(n / align) * align by
+    less than 1 / per_doubling of it.  per_doubling: a power of two, or 0 (align only)."""
+    units = -(-int(n) // align)
+    if per_doubling and units > per_doubling:
+        step = 1 << ((units - 1).bit_length() - per_doubling.bit_length())
+        units = -(-units // step) * step
+    return units * align
+
+
+def check_shape_buckets(shape_buckets) -> int:
+    if isinstance(shape_buckets, bool) or not isinstance(shape_buckets, (int, np.integer)) or shape_buckets < 0 \
+            or shape_buckets & (shape_buckets - 1):
+        raise ValueError(f"shape_buckets: expected 0 (exact shapes) or a power of two (shapes per doubling), "
+                         f"got {shape_buckets!r}")
+    return int(shape_buckets)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -34,8 +65,11 @@ class StepPlan:
       rank_req_lens [D, R]  local lengths per rank
       rank_req_starts [D, R] exclusive prefix sums of rank_req_lens along requests
       local_cu_seq_lens [D, R+1] per-rank cumulative local lengths, leading 0
-    Ints: padded_tokens P = ceil64(max over ranks of the local total), capacity C,
-    eligible and why (the reason when not eligible).
+    Ints: padded_tokens P (the workspace rows per rank: the largest local total rounded up to
+    64 rows and to `shape_buckets` shapes per doubling, at most the capacity C when that total
+    fits it), capacity C, shape_buckets (also the step arrays' padding of the requests and the
+    block table's columns, `dcp_step.host_step_arrays`), eligible and why (the reason when not
+    eligible).
     """
     layout: DcpLayout
     seq_lens: np.ndarray
@@ -47,6 +81,7 @@ class StepPlan:
     local_cu_seq_lens: np.ndarray
     padded_tokens: int
     capacity: int
+    shape_buckets: int
     eligible: bool
     why: str
 
@@ -79,8 +114,11 @@ def capacity(layout: DcpLayout, max_tokens: int, max_num_seqs: int) -> int:
 
 def build_step_plan(layout: DcpLayout, seq_lens, query_lens, *, max_tokens: int = DEFAULT_MAX_TOKENS,
                     max_num_seqs: int | None = None, min_tokens: int = DEFAULT_MIN_TOKENS,
-                    min_world_size: int = 2) -> StepPlan:
+                    min_world_size: int = 2, shape_buckets: int = DEFAULT_SHAPE_BUCKETS) -> StepPlan:
     """The plan of one step.  seq_lens, query_lens: int[R] (seq_lens include the current chunk).
+
+    shape_buckets: the static shapes per doubling of the step's sizes (see the module docstring);
+    0 for P = the largest local total rounded up to 64 rows, a compile for every such value.
 
     min_world_size: the smallest D that is eligible; 2 in serving (with one rank there is nothing
     to gather), 1 to run the full path on a single device in tests and benchmarks."""
@@ -111,8 +149,12 @@ def build_step_plan(layout: DcpLayout, seq_lens, query_lens, *, max_tokens: int 
     cums = np.cumsum(rank_req_lens, axis=1)
     rank_req_starts = (cums - rank_req_lens).astype(np.int32)
     local_cu = np.concatenate([np.zeros((layout.world_size, 1), np.int64), cums], axis=1).astype(np.int32)
-    padded = ceil_to(local_cu[:, -1].max(initial=0), ROW_ALIGN)
+    shape_buckets = check_shape_buckets(shape_buckets)
+    most = local_cu[:, -1].max(initial=0)
     cap = capacity(layout, max_tokens, max_num_seqs)
+    padded = ceil_to(most, ROW_ALIGN)
+    if padded <= cap:               # (past C the step is not eligible; the reason names the exact P)
+        padded = min(bucket_up(most, shape_buckets, ROW_ALIGN), cap)
 
     if layout.world_size < min_world_size:
         why = f"world_size {layout.world_size} < {min_world_size}: no DCP"
@@ -125,5 +167,5 @@ def build_step_plan(layout: DcpLayout, seq_lens, query_lens, *, max_tokens: int 
     else:
         why = ""
     return StepPlan(layout, seq_lens, query_lens, query_start_loc, req_id_per_token,
-                    rank_req_lens.astype(np.int32), rank_req_starts, local_cu, int(padded), int(cap),
+                    rank_req_lens.astype(np.int32), rank_req_starts, local_cu, int(padded), int(cap), shape_buckets,
                     eligible=not why, why=why)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ckv_jax.dcp_layout import DcpLayout
-from ckv_jax.step_plan import build_step_plan, capacity
+from ckv_jax.step_plan import bucket_up, build_step_plan, capacity
 
 layouts = st.builds(DcpLayout, world_size=st.sampled_from([1, 2, 3, 4, 8]),
                     interleave=st.sampled_from([1, 2, 4]), block_size=st.sampled_from([4, 8, 64]))
@@ -83,8 +83,10 @@ def test_step_plan_arrays(layout, lens):
     assert np.array_equal(plan.rank_req_starts[:, 0], np.zeros(layout.world_size))
     assert np.array_equal(plan.rank_req_starts + plan.rank_req_lens, np.cumsum(naive, axis=1))
     assert np.array_equal(plan.local_cu_seq_lens[:, 1:], np.cumsum(naive, axis=1))
-    assert plan.padded_tokens % 64 == 0 and plan.padded_tokens >= naive.sum(axis=1).max()
-    assert plan.padded_tokens - naive.sum(axis=1).max() < 64
+    most = naive.sum(axis=1).max()
+    assert plan.padded_tokens % 64 == 0 and plan.padded_tokens >= most
+    assert plan.padded_tokens == min(bucket_up(most, 8, 64), plan.capacity)
+    assert build_step_plan(layout, seq, q, max_num_seqs=8, shape_buckets=0).padded_tokens - most in range(64)
     assert plan.capacity == -(-(-(-131072 // layout.world_size) + 8 * layout.interleave) // 64) * 64
     positions = plan.positions()
     for t, r in enumerate(plan.req_id_per_token):

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
 import adapter_host_drift  # noqa: E402
 import adapter_host_timeline  # noqa: E402
 import step_host_pieces  # noqa: E402
+import step_shapes  # noqa: E402
 
 
 def test_per_name_sums_each_gathers_pieces_and_counts_nested_repeats_once():
@@ -93,3 +94,14 @@ def test_the_host_pieces_of_begin_step_are_timed_for_a_step_of_several_ranks():
     got = step_host_pieces.pieces(world_size=2, requests=3, history=1000, chunk=96, calls=2, rounds=1)
     assert list(got) == ["build_step_plan", "check_block_table", "host_step_arrays", "topk_tables"]
     assert all(us > 0 for us in got.values())
+
+
+@pytest.mark.parametrize("table", ["exact", "fixed"])
+def test_a_prefill_counts_its_shapes_and_padding(table):
+    # 2,048 tokens in chunks of 64 at D = 2 (block size 64): the exact P takes 1 to 16 units of
+    # 64 rows, each for two steps, and so does the exact table's width; 4 shapes a doubling keep
+    # 1 to 8 units and round 9 to 16 up to even ones: 12 shapes, rows padded by under a quarter
+    steps, shapes, rows, exact = step_shapes.prefill_shapes(2048, 64, 2, 4, table)
+    assert (steps, shapes) == (32, 12) and exact < rows < exact * 5 / 4
+    exact_steps, exact_shapes, exact_rows, same = step_shapes.prefill_shapes(2048, 64, 2, 0, table)
+    assert (exact_steps, exact_shapes) == (32, 16) and exact_rows == same == exact
