@@ -167,11 +167,21 @@ def wait_flag(arrays: tuple, *, platform: str, wait_fn: int, write_fn: int, capt
                               state=state.buffer_info()[0]))
 
 
+@functools.cache
+def driver() -> ctypes.CDLL:
+    """The CUDA driver, libcuda.so.1: the one driver every CUDA runtime in the process uses."""
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _driver_function(name: str, argtypes: tuple):
+    """The driver's function `name` as a ctypes function of `argtypes` returning its CUresult."""
+    return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(_driver_addresses((name,))[0])
+
+
 def _driver_addresses(names: tuple, *, v2: bool = False) -> tuple:
-    """The addresses of the CUDA driver's functions `names` (libcuda.so.1, the one driver every
-    CUDA runtime in the process uses); with `v2`, each in its _v2 form where the driver exports
-    one."""
-    cuda = ctypes.CDLL("libcuda.so.1")
+    """The addresses of the CUDA driver's functions `names`; with `v2`, each in its _v2 form
+    where the driver exports one."""
+    cuda = driver()
     found = []
     for name in names:
         fn = (v2 and getattr(cuda, name + "_v2", None)) or getattr(cuda, name, None)
@@ -190,10 +200,7 @@ def flag_functions() -> tuple[int, int]:
 
 def memset_d32():
     """The CUDA driver's cuMemsetD32Async(device address, value, count, stream) as a ctypes function."""
-    fn = ctypes.CDLL("libcuda.so.1").cuMemsetD32Async
-    fn.argtypes = (ctypes.c_uint64, ctypes.c_uint32, ctypes.c_size_t, ctypes.c_void_p)
-    fn.restype = ctypes.c_int
-    return fn
+    return _driver_function("cuMemsetD32Async", (ctypes.c_uint64, ctypes.c_uint32, ctypes.c_size_t, ctypes.c_void_p))
 
 
 def driver_functions() -> tuple[int, int]:
@@ -212,11 +219,25 @@ def module_loading_mode() -> str:
     """How the CUDA driver of this process loads kernels: "eager" (each module's kernels when the
     module is loaded) or "lazy" (a kernel at its first launch, which synchronizes the device:
     `CUDA_MODULE_LOADING`, read once when the driver initializes)."""
-    fn = ctypes.CDLL("libcuda.so.1").cuModuleGetLoadingMode
-    fn.argtypes = (ctypes.POINTER(ctypes.c_int),)
-    fn.restype = ctypes.c_int
     mode = ctypes.c_int()
-    rc = fn(ctypes.byref(mode))
+    rc = _driver_function("cuModuleGetLoadingMode", (ctypes.POINTER(ctypes.c_int),))(ctypes.byref(mode))
     if rc != 0:
         raise RuntimeError(f"cuModuleGetLoadingMode failed with CUresult {rc}")
     return {1: "eager", 2: "lazy"}.get(mode.value, f"unknown ({mode.value})")
+
+
+def make_context_current(index: int):
+    """Make GPU `index`'s primary context (torch's and JAX's) current on this thread: a thread
+    that made no CUDA call has none, and the driver's calls fail there (CUDA_ERROR_INVALID_CONTEXT)."""
+    cuda = driver()
+    current = ctypes.c_void_p()
+    if cuda.cuCtxGetCurrent(ctypes.byref(current)) == 0 and current.value:
+        return
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    # each call only after the one before succeeded: a failed lookup leaves its output unset
+    for what, call in (("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(device), index)),
+                       ("cuDevicePrimaryCtxRetain", lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)),
+                       ("cuCtxSetCurrent", lambda: cuda.cuCtxSetCurrent(context))):
+        rc = call()
+        if rc != 0:
+            raise RuntimeError(f"{what} failed with CUresult {rc}")

@@ -368,7 +368,7 @@ class StepFlags:
         the host is blocked in a device synchronization: see the class docstring)."""
         if self.released == self.layers:
             return
-        _make_context_current(self.words.device.index)
+        native_signal.make_context_current(self.words.device.index)
         self._write_word(torch_stream, self.layers, 1)
         for layer in range(self.released, self.layers):
             self._write_word(torch_stream, layer, 1)
@@ -378,20 +378,3 @@ class StepFlags:
         rc = self._write(ctypes.c_void_p(torch_stream.cuda_stream), self.words.data_ptr() + 4 * index, value, 0)
         if rc != 0:
             raise RuntimeError(f"cuStreamWriteValue32 failed with CUresult {rc}")
-
-
-def _make_context_current(index: int):
-    """Make GPU `index`'s primary context (torch's and JAX's) current on this thread: a thread
-    that made no CUDA call has none, and the driver's calls fail there (CUDA_ERROR_INVALID_CONTEXT)."""
-    cuda = ctypes.CDLL("libcuda.so.1")
-    current = ctypes.c_void_p()
-    if cuda.cuCtxGetCurrent(ctypes.byref(current)) == 0 and current.value:
-        return
-    device, context = ctypes.c_int(), ctypes.c_void_p()
-    # each call only after the one before succeeded: a failed lookup leaves its output unset
-    for what, call in (("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(device), index)),
-                       ("cuDevicePrimaryCtxRetain", lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)),
-                       ("cuCtxSetCurrent", lambda: cuda.cuCtxSetCurrent(context))):
-        rc = call()
-        if rc != 0:
-            raise RuntimeError(f"{what} failed with CUresult {rc}")
