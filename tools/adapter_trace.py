@@ -242,6 +242,9 @@ def main(argv=None) -> int:
                     help="also trace the step without the adapter (compute, the engine's cache writes, the consumer)")
     ap.add_argument("--cache-write", choices=["engine", "adapter"], default="engine",
                     help="who writes each layer's cache: torch (the engine) or the adapter's gather (default %(default)s)")
+    ap.add_argument("--ordering", choices=["cuda-events", "step-program"], default=None,
+                    help="the adapter's ordering (default: the adapter's own; step-program needs "
+                         "--cache-write adapter and CUDA_MODULE_LOADING=EAGER)")
     ap.add_argument("--mark", choices=["before-write", "after-write"], default="before-write",
                     help="set_current_chunk before the layer's cache write or after it (default %(default)s)")
     args = ap.parse_args(argv)
@@ -255,6 +258,8 @@ def main(argv=None) -> int:
         return 0
     if not args.out:
         ap.error("--out is required to run a step")
+    if args.ordering == "step-program" and args.cache_write != "adapter":
+        ap.error("--ordering step-program: the step's program writes the caches; pass --cache-write adapter")
     sys.path.insert(0, os.path.abspath(args.code))
     import torch
     spec = importlib.util.spec_from_file_location("bench_workload", os.path.join(ROOT, "interop", "bench.py"))
@@ -265,6 +270,7 @@ def main(argv=None) -> int:
                           mark_before_write=args.mark == "before-write",
                           **({} if args.cache_write == "engine" else dict(cache_write="adapter")))
     compute = bench.compute_kernels(args.compute_ms)[args.compute]
+    torch.randn(64, 64, device="cuda") @ torch.randn(64, 64, device="cuda")   # cuBLAS ready before any step
     panels, listing = {}, {}
     side = bench.torch_stream(args.stream)
     modes = {}                                    # panel -> who wrote its caches
@@ -280,9 +286,14 @@ def main(argv=None) -> int:
         label = f"compute alone (the engine's cache writes): {len(ks)} GPU activities"
         panels[label], listing["compute_alone"], modes[label] = ks, ks, "engine"
     for depth in [int(d) for d in args.depths.split(",")]:
-        adapter = work.adapter(depth) if args.prefetch_programs is None else work.adapter(depth, args.prefetch_programs)
+        # options only when asked: an adapter older than them (--code) runs too
+        asked = {key: value for key, value in (("prefetch_programs", args.prefetch_programs),
+                                               ("ordering", args.ordering)) if value is not None}
+        adapter = work.adapter(depth, **asked)
         with torch.cuda.stream(side):
-            for _ in range(2):                    # the first step discovers the caches, the second compiles
+            # the first step discovers the caches and compiles; a step program records its graph at
+            # the second and replays it from the third, the traced one
+            for _ in range(2):
                 work.step(adapter, compute)
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
