@@ -18,6 +18,12 @@ def replicated_sharding(mesh: jax.sharding.Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P(*(None,) * ndim))
 
 
+def cache_sharding(mesh: jax.sharding.Mesh, axis_name: str = DCP_AXIS) -> NamedSharding:
+    """The stacked per-rank caches u8[D * num_blocks, block_size, R], split over `axis_name` on
+    axis 0, spelled as a program's output of them is (as `replicated_sharding`)."""
+    return NamedSharding(mesh, P(axis_name, None, None))
+
+
 def replicated(mesh: jax.sharding.Mesh, *arrays):
     """Each array placed whole on every device of `mesh` (`replicated_sharding`)."""
     arrays = [jnp.asarray(a) for a in arrays]
@@ -85,6 +91,4 @@ def place_caches(per_rank_caches, mesh: jax.sharding.Mesh, axis_name: str = DCP_
                              f"(rank 0's), got {c.dtype}{list(c.shape)} for rank {rank}")
     stacked = np.concatenate(caches, axis=0)
     # from a callback, so that each process of a multi-process run places only its own shards
-    # (spelled as a program's output of it is, like `replicated_sharding`)
-    return jax.make_array_from_callback(stacked.shape, NamedSharding(mesh, P(axis_name, None, None)),
-                                        lambda index: stacked[index])
+    return jax.make_array_from_callback(stacked.shape, cache_sharding(mesh, axis_name), lambda index: stacked[index])

@@ -45,7 +45,7 @@ def bucket_up(n: int, per_doubling: int, align: int = 1) -> int:
     return units * align
 
 
-def check_shape_buckets(shape_buckets) -> int:
+def _check_shape_buckets(shape_buckets) -> int:
     if isinstance(shape_buckets, bool) or not isinstance(shape_buckets, (int, np.integer)) or shape_buckets < 0 \
             or shape_buckets & (shape_buckets - 1):
         raise ValueError(f"shape_buckets: expected 0 (exact shapes) or a power of two (shapes per doubling), "
@@ -149,7 +149,7 @@ def build_step_plan(layout: DcpLayout, seq_lens, query_lens, *, max_tokens: int 
     cums = np.cumsum(rank_req_lens, axis=1)
     rank_req_starts = (cums - rank_req_lens).astype(np.int32)
     local_cu = np.concatenate([np.zeros((layout.world_size, 1), np.int64), cums], axis=1).astype(np.int32)
-    shape_buckets = check_shape_buckets(shape_buckets)
+    shape_buckets = _check_shape_buckets(shape_buckets)
     most = local_cu[:, -1].max(initial=0)
     cap = capacity(layout, max_tokens, max_num_seqs)
     padded = ceil_to(most, ROW_ALIGN)

@@ -70,7 +70,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ckv_jax import dcp_step, formats, placement, validation
 from ckv_jax.dcp_layout import DcpLayout
@@ -549,8 +548,7 @@ class TorchCkvAdapter:
                              f"{self.fmt.name}, got {kv_cache.dtype}{list(kv_cache.shape)}")
         local = bridge.to_jax(kv_cache, name="kv_cache", device=self.device)
         shape = (self.layout.world_size * local.shape[0],) + tuple(local.shape[1:])
-        cache = jax.make_array_from_single_device_arrays(
-            shape, NamedSharding(self.mesh, P(placement.DCP_AXIS)), [local])
+        cache = jax.make_array_from_single_device_arrays(shape, placement.cache_sharding(self.mesh), [local])
         if layer_idx is not None:         # a per-call (no layer index) cache is not kept bound
             self._bind(lane, layer_idx, kv_cache, cache)
         else:

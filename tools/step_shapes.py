@@ -27,10 +27,10 @@ def prefill_shapes(context: int, chunk: int, world_size: int, buckets: int, tabl
     """(steps, distinct shape sets, rows packed, rows packed with exact shapes) over the prefill."""
     layout = DcpLayout(world_size, 1, block_size)
     full_width = int(layout.blocks_needed(layout.local_seq_lens([context]).max()))
+    kw = dict(max_num_seqs=1, max_tokens=context, min_tokens=1, min_world_size=1)
     shapes, rows, exact_rows, steps = set(), 0, 0, 0
     for done in range(chunk, context + chunk, chunk):
         seq, query = np.array([min(done, context)]), np.array([min(chunk, context - done + chunk)])
-        kw = dict(max_num_seqs=1, max_tokens=context, min_tokens=1, min_world_size=1)
         plan = build_step_plan(layout, seq, query, shape_buckets=buckets, **kw)
         exact = build_step_plan(layout, seq, query, shape_buckets=0, **kw)
         width = full_width if table == "fixed" else int(layout.blocks_needed(layout.local_seq_lens(seq).max()))
