@@ -288,11 +288,14 @@ def gather_workspace_in_shard_map(cache, arrays: StepArrays, *, out=None, axis_n
 
 
 def write_chunk(cache, kv_c, k_pe, arrays: StepArrays, *, layout: RecordLayout, axis_name: str = DCP_AXIS,
-                implementation=None, interpret: bool = False, device=None):
+                implementation=None, interpret: bool = False, device=None, skip_words=None, skip_index: int = 0):
     """The chunk tokens this rank owns, encoded into its cache u8[num_blocks, block_size, R]
-    (every rank holds all T tokens of kv_c [T, nope_dim] and k_pe bf16[T, rope_dim])."""
-    return cache_writer.write_records(cache, kv_c, k_pe, arrays.slots[lax.axis_index(axis_name)], layout=layout,
-                                      implementation=implementation, interpret=interpret, device=device)
+    (every rank holds all T tokens of kv_c [T, nope_dim] and k_pe bf16[T, rope_dim]).
+    skip_words: i32[n]; where skip_words[skip_index] is not 0 nothing is written."""
+    return cache_writer.write_records_to_all(
+        (cache,), kv_c, k_pe, (arrays.slots[lax.axis_index(axis_name)],), layout=layout,
+        implementation=implementation, interpret=interpret, device=device, skip_words=skip_words,
+        skip_index=skip_index)[0]
 
 
 def patch_chunk(workspace, kv_c, k_pe, rows, *, layout: RecordLayout, implementation=None, interpret: bool = False,
@@ -312,15 +315,17 @@ def patch_chunk(workspace, kv_c, k_pe, rows, *, layout: RecordLayout, implementa
 
 
 def write_and_patch_chunk(cache, workspace, kv_c, k_pe, arrays: StepArrays, *, layout: RecordLayout,
-                          axis_name: str = DCP_AXIS, implementation=None, interpret: bool = False, device=None):
+                          axis_name: str = DCP_AXIS, implementation=None, interpret: bool = False, device=None,
+                          skip_words=None, skip_index: int = 0):
     """`write_chunk` and `patch_chunk` (at `arrays.chunk_rows`) in one writer call: each chunk
     record is encoded once and stored into this rank's cache and the workspace.  Returns (cache,
-    workspace), both updated in place."""
+    workspace), both updated in place.  skip_words, skip_index: as for `write_chunk`."""
     n, record_bytes = workspace.shape
     cache, rows = cache_writer.write_records_to_all(
         (cache, workspace.reshape(n, 1, record_bytes)), kv_c, k_pe,
         (arrays.slots[lax.axis_index(axis_name)], arrays.chunk_rows), layout=layout,
-        implementation=implementation, interpret=interpret, device=device)
+        implementation=implementation, interpret=interpret, device=device, skip_words=skip_words,
+        skip_index=skip_index)
     return cache, rows.reshape(n, record_bytes)
 
 
@@ -336,17 +341,22 @@ def _gather_over_mesh(caches, arrays: StepArrays, out, *, mesh, axis_name, imple
 
 
 def _write_over_mesh(caches, kv_c, k_pe, arrays: StepArrays, workspace=None, *, mesh, layout, axis_name,
-                     implementation, interpret):
+                     implementation, interpret, skip_words=None, skip_index: int = 0):
     """`write_chunk` on every rank, or with `workspace` (replicated) `write_and_patch_chunk`,
-    returning (caches, workspace)."""
+    returning (caches, workspace); skip_words (replicated), skip_index: as for `write_chunk`."""
     kw = dict(layout=layout, axis_name=axis_name, implementation=implementation, interpret=interpret,
-              device=placement.mesh_device(mesh))
+              device=placement.mesh_device(mesh), skip_index=skip_index)
+    skip = () if skip_words is None else (skip_words,)
+
+    def body(write, *args):
+        return write(*args[:len(args) - len(skip)], skip_words=args[-1] if skip else None, **kw)
     if workspace is None:
-        return jax.shard_map(functools.partial(write_chunk, **kw), mesh=mesh, in_specs=(P(axis_name), P(), P(), P()),
-                             out_specs=P(axis_name), check_vma=False)(caches, kv_c, k_pe, arrays)
-    return jax.shard_map(functools.partial(write_and_patch_chunk, **kw), mesh=mesh,
-                         in_specs=(P(axis_name), P(), P(), P(), P()), out_specs=(P(axis_name), P()),
-                         check_vma=False)(caches, workspace, kv_c, k_pe, arrays)
+        return jax.shard_map(functools.partial(body, write_chunk), mesh=mesh,
+                             in_specs=(P(axis_name), P(), P(), P()) + (P(),) * len(skip),
+                             out_specs=P(axis_name), check_vma=False)(caches, kv_c, k_pe, arrays, *skip)
+    return jax.shard_map(functools.partial(body, write_and_patch_chunk), mesh=mesh,
+                         in_specs=(P(axis_name), P(), P(), P(), P()) + (P(),) * len(skip),
+                         out_specs=(P(axis_name), P()), check_vma=False)(caches, workspace, kv_c, k_pe, arrays, *skip)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "implementation", "interpret", "tiles"),
@@ -548,9 +558,9 @@ def step_program(ring, caches, flags, kv_c, k_pe, arrays: StepArrays, *, depth: 
 
       1. `hooks.wait(l, arrays, platform=)` -> arrays, the ring slots and then `flags`: the rest
          waits there until the consumer released layer l (its latents are in the chunk buffers,
-         its reads of slot (l - 1) % (depth + 1) are done); the abandon word `flags[L]` is read
-         from the wait's result, and where it is not 0 this layer writes nothing into its cache
-         or its slot's chunk rows (a step released without its latents);
+         its reads of slot (l - 1) % (depth + 1) are done); the writer reads the abandon word
+         `flags[L]` from the wait's result, and where it is not 0 this layer writes nothing into
+         its cache or its slot's chunk rows (a step released without its latents);
       2. the chunk written into caches[l] and, with depth > 0, patched into slot l % (depth + 1)
          by one writer call (depth 0: the slot gathered from the written cache);
       3. `hooks.signal(l, arrays, platform=)` -> arrays: layer l's workspace is ready;
@@ -587,15 +597,15 @@ def step_program(ring, caches, flags, kv_c, k_pe, arrays: StepArrays, *, depth: 
         # the wait passes the slots and flags only (the cache, a parameter, would be copied
         # through it); the writer follows it through `live`, which the word read after it decides
         ring, _, (flags,) = through(hooks.wait, l, ring, small=(flags,))
-        # a released step writes nothing more: its chunk buffers hold no latents of this layer
-        live_step = flags[num_layers] == 0
-        live = dataclasses.replace(arrays, slots=jnp.where(live_step, arrays.slots, -1),
-                                   chunk_rows=jnp.where(live_step, arrays.chunk_rows, -1))
+        # a released step writes nothing more: its chunk buffers hold no latents of this layer.
+        # The writer reads the abandon word itself: a select of the slots would be a kernel of
+        # its own between the wait and the write, on the path the consumer waits for
         chunk = (kv_c[l % len(kv_c)], k_pe[l % len(k_pe)])
         if depth:
-            caches[l], ring[own] = write(caches[l], *chunk, live, ring[own])
+            caches[l], ring[own] = write(caches[l], *chunk, arrays, ring[own], skip_words=flags,
+                                         skip_index=num_layers)
         else:
-            caches[l] = write(caches[l], *chunk, live)
+            caches[l] = write(caches[l], *chunk, arrays, skip_words=flags, skip_index=num_layers)
             ring[own] = gather(caches[l], out=ring[own], tiles=tiles)
         # with several ranks a prefetch's pack writes a buffer of its own: local_cu, which it
         # reads, passes through the signal too, so the pack follows it

@@ -81,6 +81,46 @@ def test_writing_to_several_caches_stores_each_record_at_each_caches_slot(implem
                                           layout=fmt.layout)
 
 
+@pytest.mark.parametrize("word", [0, 1, -7])
+def test_a_skip_word_read_on_the_device_turns_every_store_off(implementation, word):
+    """`write_records_to_all(skip_words=, skip_index=)`: the word at skip_index (the other words
+    differ) decides on the device whether the call writes; not 0, every row keeps its poison."""
+    fmt = formats.get("fp8_ds_mla")
+    rng = np.random.default_rng(word + 10)
+    tokens = 29
+    kv_c, k_pe = random_kv(rng, tokens)
+    poisons = [rng.integers(0, 256, (4, 16, fmt.record_bytes), dtype=np.uint8),
+               rng.integers(0, 256, (70, 1, fmt.record_bytes), dtype=np.uint8)]
+    slots = [rng.permutation(64)[:tokens].astype(np.int32), rng.permutation(70)[:tokens].astype(np.int32)]
+    slots[1][5] = -1
+    words = np.array([1 - abs(word), word, 3], np.int32)     # the word read is [1]
+    caches = tuple(jnp.asarray(p) for p in poisons)
+    outs = jax.jit(lambda c, a, b, s, w: cache_writer.write_records_to_all(
+        c, a, b, s, layout=fmt.layout, skip_words=w, skip_index=1, **implementation), donate_argnums=0)(
+        caches, jnp.asarray(kv_c), jnp.asarray(k_pe), tuple(jnp.asarray(x) for x in slots), jnp.asarray(words))
+    records = oracle_records("fp8_ds_mla", kv_c, k_pe)
+    for k, (out, poison, s) in enumerate(zip(outs, poisons, slots)):
+        assert_bytes_equal(out, poison if word else _expected_cache(poison, s, records), f"cache {k}")
+    with pytest.raises(ValueError, match=r"skip_words, skip_index: expected int32\[n\] and an index in \[0, n\), "
+                                         r"got int32\[3\] and 3"):
+        cache_writer.write_records_to_all(outs, jnp.asarray(kv_c), jnp.asarray(k_pe),
+                                          tuple(jnp.asarray(x) for x in slots), layout=fmt.layout,
+                                          skip_words=jnp.asarray(words), skip_index=3)
+
+
+def test_the_writer_with_a_skip_word_lowers_for_cuda_as_one_kernel():
+    """The word is the kernel's operand: no select of the slots runs before it."""
+    fmt = formats.get("nvfp4_ds_mla")
+    sds = jax.ShapeDtypeStruct
+    f = jax.jit(lambda c, w, a, b, s, r: pallas_triton.write_records_to_all_triton(
+        (c, w), a, b, (s, r), jnp.zeros((9,), jnp.int32) + r[0], layout=fmt.layout, skip_index=8))
+    lowered = f.trace(sds((512, 64, fmt.record_bytes), jnp.uint8), sds((9000, 1, fmt.record_bytes), jnp.uint8),
+                      sds((300, 512), jnp.bfloat16), sds((300, 64), jnp.bfloat16), sds((300,), jnp.int32),
+                      sds((300,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert lowered.count("stablehlo.custom_call") == 1 and "stablehlo.select" not in lowered
+    assert "ckv_write_records_nvfp4_groups_r432_to_2" in lowered
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_writer_edge_values_match_oracle(name, kernel_mode):
     """NaN/Inf/subnormal/extreme latents through the Pallas kernel, as in test_formats."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import selection
 from pallas_kernels.cache_writer import pallas_triton
@@ -68,18 +69,29 @@ def write_records(cache: jax.Array, kv_c: jax.Array, k_pe: jax.Array, slot_mappi
 def write_records_to_all(caches: Sequence[jax.Array], kv_c: jax.Array, k_pe: jax.Array,
                          slot_mappings: Sequence[jax.Array], *, layout: RecordLayout,
                          implementation: str | Sequence[str] | None = None, interpret: bool = False,
-                         config: WriterTiles | None = None, device: jax.Device | None = None) -> tuple:
+                         config: WriterTiles | None = None, device: jax.Device | None = None,
+                         skip_words: jax.Array | None = None, skip_index: int = 0) -> tuple:
     """`write_records` of the same tokens into several caches (donated), caches[k] at
     slot_mappings[k] i32[T]: the Pallas Triton writer encodes each record once and stores it into
     every cache in one kernel; the XLA reference writes each cache in turn.  The implementation
-    is the one `write_records` would choose for the largest cache."""
+    is the one `write_records` would choose for the largest cache.
+
+    skip_words: i32[n]; where skip_words[skip_index] (read on the device) is not 0 nothing is
+    written.  The Pallas Triton writer reads the word itself; the reference masks the slots."""
     caches, slot_mappings = tuple(caches), tuple(slot_mappings)
     if len(caches) != len(slot_mappings) or not caches:
         raise ValueError(f"slot_mappings: expected one per cache ({len(caches)}), got {len(slot_mappings)}")
+    if skip_words is not None and not (skip_words.ndim == 1 and skip_words.dtype == jnp.int32
+                                       and 0 <= skip_index < skip_words.shape[0]):
+        raise ValueError(f"skip_words, skip_index: expected int32[n] and an index in [0, n), got "
+                         f"{skip_words.dtype}{list(skip_words.shape)} and {skip_index}")
     run = select(implementation, device or selection.device_of(caches[0]), max(c.size for c in caches),
                  kv_c.shape[0], layout, interpret=interpret, config=config)
     if run.name == "pallas_triton":
-        return pallas_triton.write_records_to_all_triton(caches, kv_c, k_pe, slot_mappings, layout=layout,
-                                                         config=run.config or WriterTiles(), interpret=interpret)
+        return pallas_triton.write_records_to_all_triton(caches, kv_c, k_pe, slot_mappings, skip_words,
+                                                         layout=layout, config=run.config or WriterTiles(),
+                                                         skip_index=skip_index, interpret=interpret)
+    if skip_words is not None:
+        slot_mappings = tuple(jnp.where(skip_words[skip_index] == 0, s, -1) for s in slot_mappings)
     return tuple(run(c, kv_c, k_pe, s, layout=layout, interpret=interpret) for c, s in zip(caches, slot_mappings))
 

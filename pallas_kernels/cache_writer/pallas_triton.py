@@ -66,14 +66,20 @@ def _load_nope_pairs(kv_c_ref, tok, in_range, kv_dtype):
 
 
 def _writer_kernel(*refs, layout: RecordLayout, kv_dtype, num_tokens: int, num_slots: tuple[int, ...],
-                   tokens_per_block: int, interpret: bool):
+                   tokens_per_block: int, skip_index: int | None, interpret: bool):
     # refs, for K destinations: slot_refs i32[T] (K of them); kv_c_ref: [T, nope_dim], or
-    # u32[T, nope_dim / 2] (2-byte kv_c for nvfp4); k_pe_ref: bf16[T, rope_dim]; the K inputs
-    # u8[num_slots[k], record_bytes], then the K outputs they alias
+    # u32[T, nope_dim / 2] (2-byte kv_c for nvfp4); k_pe_ref: bf16[T, rope_dim]; with a
+    # skip_index, skip_ref i32[n]; the K inputs u8[num_slots[k], record_bytes], then the K
+    # outputs they alias
     k = len(num_slots)
-    slot_refs, (kv_c_ref, k_pe_ref), cache_refs = refs[:k], refs[k:k + 2], refs[2 * k + 2:]
+    slot_refs, (kv_c_ref, k_pe_ref) = refs[:k], refs[k:k + 2]
+    skip_ref = None if skip_index is None else refs[k + 2]
+    cache_refs = refs[len(refs) - k:]
     tok = pl.program_id(0) * tokens_per_block + lax.broadcasted_iota(jnp.int32, (tokens_per_block,), 0)
     in_range = tok < num_tokens
+    if skip_ref is not None:
+        # a word set on the device (a step's abandon word) turns every store off
+        in_range &= skip_ref[skip_index] == 0
 
     load_rows = functools.partial(_load_rows, tok=tok, in_range=in_range)
     arith = float_codes.PORTABLE if interpret else GPU_ARITHMETIC
@@ -104,13 +110,16 @@ def write_records_triton(cache: jax.Array, kv_c: jax.Array, k_pe: jax.Array, slo
                                        interpret=interpret)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "config", "interpret"), donate_argnums=(0,))
+@functools.partial(jax.jit, static_argnames=("layout", "config", "interpret", "skip_index"), donate_argnums=(0,))
 def write_records_to_all_triton(caches: tuple, kv_c: jax.Array, k_pe: jax.Array, slot_mappings: tuple,
-                                *, layout: RecordLayout, config: WriterTiles = WriterTiles(),
+                                skip_words: jax.Array | None = None, *, layout: RecordLayout,
+                                config: WriterTiles = WriterTiles(), skip_index: int = 0,
                                 interpret: bool = False) -> tuple:
     """`write_records_triton` into several caches at once (one kernel; each token's record is
     encoded once and stored into every cache at its own slot): caches[k] u8[num_blocks_k,
-    block_size_k, R] (donated), slot_mappings[k] i32[T]."""
+    block_size_k, R] (donated), slot_mappings[k] i32[T].  skip_words: i32[n]; where
+    skip_words[skip_index] is not 0 the kernel stores nothing (read by the kernel itself, so a
+    word written on the device just before needs no kernel of its own to mask the slots)."""
     num_tokens = kv_c.shape[0]
     if num_tokens == 0:
         return tuple(caches)
@@ -122,16 +131,18 @@ def write_records_to_all_triton(caches: tuple, kv_c: jax.Array, k_pe: jax.Array,
         kv_c = lax.bitcast_convert_type(kv_c.reshape(num_tokens, -1, 2), jnp.uint32)
     kernel = functools.partial(
         _writer_kernel, layout=layout, kv_dtype=kv_dtype, num_tokens=num_tokens, num_slots=num_slots,
-        tokens_per_block=config.tokens_per_block, interpret=interpret)
+        tokens_per_block=config.tokens_per_block, skip_index=None if skip_words is None else skip_index,
+        interpret=interpret)
     flats = [c.reshape(n, record_bytes) for c, n in zip(caches, num_slots)]
     k = len(caches)
+    skip = () if skip_words is None else (skip_words,)
     outs = pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct(f.shape, f.dtype) for f in flats],
         grid=(pl.cdiv(num_tokens, config.tokens_per_block),),
-        input_output_aliases={k + 2 + i: i for i in range(k)},
+        input_output_aliases={k + 2 + len(skip) + i: i for i in range(k)},
         compiler_params=compat.triton_compiler_params(config.num_warps),
         interpret=interpret,
         name=f"ckv_write_records_{layout.kind}_r{record_bytes}" + ("" if k == 1 else f"_to_{k}"),
-    )(*slot_mappings, kv_c, k_pe, *flats)
+    )(*slot_mappings, kv_c, k_pe, *skip, *flats)
     return tuple(o.reshape(c.shape) for o, c in zip(outs, caches))
