@@ -153,68 +153,18 @@ def step_signal(arrays: tuple, *, platform: str, record_fn: int, capturing_fn: i
                               state=state.buffer_info()[0]))
 
 
-def wait_flag(arrays: tuple, *, platform: str, launch_fn: int, kernel: int, capturing_fn: int, flag: int,
+def wait_flag(arrays: tuple, *, platform: str, wait_fn: int, write_fn: int, capturing_fn: int, flag: int,
               state: array.array) -> tuple:
     """`arrays`, unchanged, through a step program's flag wait (see the C++ file): on a GPU the
-    program's stream runs `FLAG_WAIT_PTX`'s kernel, which returns once the u32 at device address
-    `flag` is 1 and writes it back to 0; elsewhere it only counts.  Nothing is read from the
-    host while the program is enqueued, so a command buffer recorded once replays it.
-    launch_fn, kernel: `flag_wait_kernel()`; capturing_fn: as for `step_signal`.  state: as for
-    `step_signal`.  The operands are aliased to the results."""
+    program's stream waits until the u32 at device address `flag` is 1, then writes it back to
+    0; elsewhere it only counts.  Nothing is read from the host while the program is enqueued,
+    so a command buffer recorded once replays it.  wait_fn, write_fn: `flag_functions`;
+    capturing_fn: as for `step_signal`.  state: as for `step_signal`.  The operands are aliased
+    to the results."""
     _check_state(state)
     return _aliased_call(GPU_WAIT_TARGET if platform == "gpu" else HOST_WAIT_TARGET, arrays,
-                         dict(launch_fn=launch_fn, kernel=kernel, capturing_fn=capturing_fn, flag=flag,
+                         dict(wait_fn=wait_fn, write_fn=write_fn, capturing_fn=capturing_fn, flag=flag,
                               state=state.buffer_info()[0]))
-
-
-# A step program's flag wait (`wait_flag`): one thread polls the u32 at `flag` until it is 1,
-# sleeping ~100 ns between reads, then writes it back to 0.  The acquire load orders the
-# program's later kernels after torch's writes that preceded the flag (cuStreamWriteValue32
-# makes them visible first); a thread's resources are a sliver of one SM's, so the work of other
-# streams runs beside it.  PTX for sm_70 and later: the driver compiles it for the GPU at hand.
-FLAG_WAIT_PTX = b"""
-.version 7.0
-.target sm_70
-.address_size 64
-
-.visible .entry ckv_wait_flag(.param .u64 flag)
-{
-    .reg .pred %done;
-    .reg .b32 %word;
-    .reg .b64 %address;
-
-    ld.param.u64 %address, [flag];
-    cvta.to.global.u64 %address, %address;
-SPIN:
-    ld.acquire.gpu.global.b32 %word, [%address];
-    setp.eq.b32 %done, %word, 1;
-    @%done bra DONE;
-    nanosleep.u32 100;
-    bra.uni SPIN;
-DONE:
-    st.relaxed.gpu.global.b32 [%address], 0;
-    ret;
-}
-"""
-
-
-@functools.cache
-def flag_wait_kernel() -> tuple[int, int]:
-    """(the address of the CUDA driver's cuLaunchKernel, the CUfunction of `FLAG_WAIT_PTX`'s
-    kernel), its module loaded once into the context current on this thread (the primary
-    context torch and JAX share; kept loaded for the process)."""
-    module, function = ctypes.c_void_p(), ctypes.c_void_p()
-    ptx = ctypes.create_string_buffer(FLAG_WAIT_PTX)
-    for what, call in (
-            ("cuModuleLoadData", lambda: _driver_function("cuModuleLoadData", (ctypes.c_void_p, ctypes.c_char_p))(
-                ctypes.byref(module), ptx)),
-            ("cuModuleGetFunction", lambda: _driver_function(
-                "cuModuleGetFunction", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p))(
-                ctypes.byref(function), module, b"ckv_wait_flag"))):
-        rc = call()
-        if rc != 0:
-            raise RuntimeError(f"the step flags' wait kernel: {what} failed with CUresult {rc}")
-    return _driver_addresses(("cuLaunchKernel",))[0], function.value
 
 
 @functools.cache

@@ -267,8 +267,8 @@ class StepFlags:
     to 1 when the layer's latents are in the chunk buffers and its reads of the slot the layer's
     prefetch overwrites are queued (`release`); [layers] the abandon word.  The program takes
     `words` itself, imported into JAX and donated (its `flags`), and passes it through every
-    wait: layer l's wait holds JAX's stream until its flag is 1 and sets it back to 0 (a kernel
-    of one thread that polls it, `interop.native_signal.wait_flag`), and
+    wait: layer l's wait holds JAX's stream until its flag is 1 and sets it back to 0 (native
+    `cuStreamWaitValue32` and `cuStreamWriteValue32`, `interop.native_signal.wait_flag`), and
     the program reads the abandon word from it after the wait.  Layer l's signal records
     `events[l]`, which torch's stream waits on before reading the workspace (`torch_after`).
     Nothing the hooks touch depends on the step or lives in XLA's scratch memory, so XLA records
@@ -302,8 +302,7 @@ class StepFlags:
         self.events = [torch.cuda.Event() for _ in range(layers)]
         for event in self.events:
             event.record(jax_stream)                # created now: their handles go into the program
-        self._launch_fn, self._wait_kernel = native_signal.flag_wait_kernel()
-        self._write_fn = native_signal.flag_functions()[1]
+        self._wait_fn, self._write_fn = native_signal.flag_functions()
         self._record_fn, self._capturing_fn = native_signal.capture_functions()
         self._write = native_signal.STREAM_VALUE_OP(self._write_fn)
         self._memset = native_signal.memset_d32()
@@ -312,7 +311,7 @@ class StepFlags:
 
     # -- the program's hooks -----------------------------------------------------------------------
     def wait(self, layer: int, arrays: tuple, *, platform: str):
-        return native_signal.wait_flag(arrays, platform=platform, launch_fn=self._launch_fn, kernel=self._wait_kernel,
+        return native_signal.wait_flag(arrays, platform=platform, wait_fn=self._wait_fn, write_fn=self._write_fn,
                                        capturing_fn=self._capturing_fn, flag=self.words.data_ptr() + 4 * layer,
                                        state=self.wait_state)
 

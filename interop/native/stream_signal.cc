@@ -82,12 +82,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CkvHostSignal, SignalOnHost,
 // capture), else as a plain record.
 //
 // The flag wait holds the stream until the 32-bit word at device address `flag` is 1 (torch
-// writes it once a step, cuStreamWriteValue32), then writes it back to 0 for the next step: it
-// launches `kernel` (interop.native_signal.FLAG_WAIT_PTX, one thread that polls the word) with
-// cuLaunchKernel.  A stream memory operation (cuStreamWaitValue32) would do the same without a
-// kernel, but the stream it holds resumed 10-12 us after the word was written on an H100,
-// against 2-4 us for an event wait (BENCHMARKS.md, thirty-ninth section).  Its
-// operands pass through aliased; the last is the step's flag words themselves (the abandon word
+// writes it once a step, cuStreamWriteValue32), then writes it back to 0 for the next step, with
+// stream memory operations (cuStreamWaitValue32, cuStreamWriteValue32).  A one-thread kernel that
+// polls the word resumed the stream 2 us after the word's write instead of 10-12 on an H100, but
+// it sits on an SM through all of torch's compute: with 4 ms of cuBLAS matmuls a layer the step
+// took 28-35% longer (BENCHMARKS.md, fortieth section; presumably GEMMs sized to every SM losing
+// the one it holds, not profiled).  Its operands pass through aliased; the last is the step's flag words themselves (the abandon word
 // among them), so what the program reads of them it reads after the wait (a step released
 // half-way sets the abandon word, and the program's later writes are masked by it), from a
 // buffer the caller owns: none of the hooks' buffers lives in XLA's scratch memory, which
@@ -98,11 +98,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CkvHostSignal, SignalOnHost,
 // own.  The host handlers only count.
 using EventRecordWithFlags = int (*)(void* event, void* stream, unsigned flags);  // cuEventRecordWithFlags
 using StreamIsCapturing = int (*)(void* stream, int* status);                      // cuStreamIsCapturing
-// cuLaunchKernel
-using LaunchKernel = int (*)(void* function, unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block_x,
-                             unsigned block_y, unsigned block_z, unsigned shared_bytes, void* stream, void** params,
-                             void** extra);
+// cuStreamWaitValue32, cuStreamWriteValue32
+using StreamWaitValue32 = int (*)(void* stream, uint64_t address, uint32_t value, unsigned flags);
+using StreamWriteValue32 = StreamWaitValue32;
 constexpr unsigned kEventRecordExternal = 0x1;  // CU_EVENT_RECORD_EXTERNAL
+constexpr unsigned kWaitValueEq = 0x1;          // CU_STREAM_WAIT_VALUE_EQ
 constexpr uint64_t kCapturing = 1;              // the stream word of a run under a capture
 
 // Whether `stream` is being captured into `*capturing` (CU_STREAM_CAPTURE_STATUS_NONE is 0).
@@ -151,16 +151,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CkvStreamStepSignal, StepSignalOnStream,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CkvHostStepSignal, StepSignalOnHost,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets() CKV_STEP_SIGNAL_ATTRS);
 
-static ffi::Error WaitFlagOnStream(void* stream, ffi::RemainingArgs, ffi::RemainingRets, uint64_t launch_fn,
-                                   uint64_t kernel, uint64_t capturing_fn, uint64_t flag, uint64_t state) {
+static ffi::Error WaitFlagOnStream(void* stream, ffi::RemainingArgs, ffi::RemainingRets, uint64_t wait_fn,
+                                   uint64_t write_fn, uint64_t capturing_fn, uint64_t flag, uint64_t state) {
   bool capturing = false;
   if (ffi::Error error = Capturing(capturing_fn, stream, "flag wait", &capturing); error.failure()) {
     return error;
   }
-  void* params[] = {&flag};  // (the driver copies the parameters at the launch)
-  if (int rc = reinterpret_cast<LaunchKernel>(launch_fn)(reinterpret_cast<void*>(kernel), 1, 1, 1, 1, 1, 1, 0, stream,
-                                                         params, nullptr)) {
-    return DriverFailed("flag wait", "cuLaunchKernel", rc);
+  if (int rc = reinterpret_cast<StreamWaitValue32>(wait_fn)(stream, flag, 1, kWaitValueEq)) {
+    return DriverFailed("flag wait", "cuStreamWaitValue32", rc);
+  }
+  if (int rc = reinterpret_cast<StreamWriteValue32>(write_fn)(stream, flag, 0, 0)) {
+    return DriverFailed("flag wait", "cuStreamWriteValue32", rc);
   }
   return Counted(state, StepStream(stream, capturing));
 }
@@ -171,8 +172,8 @@ static ffi::Error WaitFlagOnHost(ffi::RemainingArgs, ffi::RemainingRets, uint64_
 }
 
 #define CKV_WAIT_ATTRS                   \
-  .Attr<uint64_t>("launch_fn")           \
-      .Attr<uint64_t>("kernel")          \
+  .Attr<uint64_t>("wait_fn")             \
+      .Attr<uint64_t>("write_fn")        \
       .Attr<uint64_t>("capturing_fn")    \
       .Attr<uint64_t>("flag")            \
       .Attr<uint64_t>("state")
