@@ -595,7 +595,7 @@ def step_program(ring, caches, flags, kv_c, k_pe, arrays: StepArrays, *, depth: 
     for l in range(num_layers):
         own = l % slots
         # the wait passes the slots and flags only (the cache, a parameter, would be copied
-        # through it); the writer follows it through `live`, which the word read after it decides
+        # through it); the writer follows it through the flags, whose abandon word it reads
         ring, _, (flags,) = through(hooks.wait, l, ring, small=(flags,))
         # a released step writes nothing more: its chunk buffers hold no latents of this layer.
         # The writer reads the abandon word itself: a select of the slots would be a kernel of

@@ -87,11 +87,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CkvHostSignal, SignalOnHost,
 // polls the word resumed the stream 2 us after the word's write instead of 10-12 on an H100, but
 // it sits on an SM through all of torch's compute: with 4 ms of cuBLAS matmuls a layer the step
 // took 28-35% longer (BENCHMARKS.md, fortieth section; presumably GEMMs sized to every SM losing
-// the one it holds, not profiled).  Its operands pass through aliased; the last is the step's flag words themselves (the abandon word
-// among them), so what the program reads of them it reads after the wait (a step released
-// half-way sets the abandon word, and the program's later writes are masked by it), from a
-// buffer the caller owns: none of the hooks' buffers lives in XLA's scratch memory, which
-// programs run between steps move, and which would make XLA record the hooks anew.
+// the one it holds, not profiled).  Its operands pass through aliased; the last is the step's
+// flag words themselves (the abandon word among them), so what the program reads of them it reads
+// after the wait (a step released half-way sets the abandon word, and the program's later writes
+// are masked by it), from a buffer the caller owns: none of the hooks' buffers lives in XLA's
+// scratch memory, which programs run between steps move, and which would make XLA record the
+// hooks anew.
 //
 // `state` counts the handlers' runs (an execution or a recording, never a replay), with the stream
 // of the last: the program's, or kCapturing where XLA was recording it on a capture stream of its
