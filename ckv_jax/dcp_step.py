@@ -346,17 +346,17 @@ def _write_over_mesh(caches, kv_c, k_pe, arrays: StepArrays, workspace=None, *, 
     returning (caches, workspace); skip_words (replicated), skip_index: as for `write_chunk`."""
     kw = dict(layout=layout, axis_name=axis_name, implementation=implementation, interpret=interpret,
               device=placement.mesh_device(mesh), skip_index=skip_index)
+    if workspace is None:
+        write, operands, out_specs = write_chunk, (caches, kv_c, k_pe, arrays), P(axis_name)
+    else:
+        write, operands, out_specs = write_and_patch_chunk, (caches, workspace, kv_c, k_pe, arrays), (P(axis_name), P())
     skip = () if skip_words is None else (skip_words,)
 
-    def body(write, *args):
-        return write(*args[:len(args) - len(skip)], skip_words=args[-1] if skip else None, **kw)
-    if workspace is None:
-        return jax.shard_map(functools.partial(body, write_chunk), mesh=mesh,
-                             in_specs=(P(axis_name), P(), P(), P()) + (P(),) * len(skip),
-                             out_specs=P(axis_name), check_vma=False)(caches, kv_c, k_pe, arrays, *skip)
-    return jax.shard_map(functools.partial(body, write_and_patch_chunk), mesh=mesh,
-                         in_specs=(P(axis_name), P(), P(), P(), P()) + (P(),) * len(skip),
-                         out_specs=(P(axis_name), P()), check_vma=False)(caches, workspace, kv_c, k_pe, arrays, *skip)
+    def body(*args):            # the operands, then the skip words where given
+        return write(*args[:len(operands)], skip_words=args[len(operands)] if skip else None, **kw)
+    # the caches split over the ranks, everything else whole on each
+    in_specs = (P(axis_name),) + (P(),) * (len(operands) - 1 + len(skip))
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*operands, *skip)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "implementation", "interpret", "tiles"),
