@@ -153,17 +153,17 @@ def step_signal(arrays: tuple, *, platform: str, record_fn: int, capturing_fn: i
                               state=state.buffer_info()[0]))
 
 
-def wait_flag(arrays: tuple, *, platform: str, wait_fn: int, write_fn: int, capturing_fn: int, flag: int,
+def wait_flag(arrays: tuple, *, platform: str, wait_fn: int, capturing_fn: int, flag: int,
               state: array.array) -> tuple:
     """`arrays`, unchanged, through a step program's flag wait (see the C++ file): on a GPU the
-    program's stream waits until the u32 at device address `flag` is 1, then writes it back to
-    0; elsewhere it only counts.  Nothing is read from the host while the program is enqueued,
-    so a command buffer recorded once replays it.  wait_fn, write_fn: `flag_functions`;
-    capturing_fn: as for `step_signal`.  state: as for `step_signal`.  The operands are aliased
-    to the results."""
+    program's stream waits until the u32 at device address `flag` is 1 (and leaves it at 1: the
+    caller zeroes the flags before the next step); elsewhere it only counts.  Nothing is read
+    from the host while the program is enqueued, so a command buffer recorded once replays it.
+    wait_fn: `flag_functions`' first; capturing_fn: as for `step_signal`.  state: as for
+    `step_signal`.  The operands are aliased to the results."""
     _check_state(state)
     return _aliased_call(GPU_WAIT_TARGET if platform == "gpu" else HOST_WAIT_TARGET, arrays,
-                         dict(wait_fn=wait_fn, write_fn=write_fn, capturing_fn=capturing_fn, flag=flag,
+                         dict(wait_fn=wait_fn, capturing_fn=capturing_fn, flag=flag,
                               state=state.buffer_info()[0]))
 
 

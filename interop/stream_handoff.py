@@ -267,17 +267,18 @@ class StepFlags:
     to 1 when the layer's latents are in the chunk buffers and its reads of the slot the layer's
     prefetch overwrites are queued (`release`); [layers] the abandon word.  The program takes
     `words` itself, imported into JAX and donated (its `flags`), and passes it through every
-    wait: layer l's wait holds JAX's stream until its flag is 1 and sets it back to 0 (native
-    `cuStreamWaitValue32` and `cuStreamWriteValue32`, `interop.native_signal.wait_flag`), and
-    the program reads the abandon word from it after the wait.  Layer l's signal records
+    wait: layer l's wait holds JAX's stream until its flag is 1 (native `cuStreamWaitValue32`,
+    `interop.native_signal.wait_flag`), and the program reads the abandon word from it after
+    the wait.  Layer l's signal records
     `events[l]`, which torch's stream waits on before reading the workspace (`torch_after`).
     Nothing the hooks touch depends on the step or lives in XLA's scratch memory, so XLA records
     the program into a CUDA graph at its second execution and can replay it from the third, at a
     fraction of the per-thunk dispatch, as long as the program's other buffers keep their
-    addresses too (BENCHMARKS.md).  `next_step` zeroes every word again on
-    torch's stream, after torch's stream waited for the last step's program: no flag left set
-    (by an abandonment of a step whose program never ran) releases a layer of the next step
-    early.  A step left half-way must be released (`abandon`), or JAX's stream waits forever:
+    addresses too (BENCHMARKS.md).  The waits leave their flags at 1 (a write back to 0 cost
+    every layer's hand-off 1.5 us): `next_step` zeroes every word on torch's stream, after
+    torch's stream waited for the last step's program, and the next program must be dispatched
+    after JAX's stream waited for torch's (`StreamEvents.jax_after_torch`), so no flag of the
+    last step, nor one an abandonment set, releases a layer of the next step early.  A step left half-way must be released (`abandon`), or JAX's stream waits forever:
     the abandon word set first makes the rest of the program write nothing into the caches.
     Hashable by identity: the static `hooks` argument of the program.
 
@@ -302,16 +303,16 @@ class StepFlags:
         self.events = [torch.cuda.Event() for _ in range(layers)]
         for event in self.events:
             event.record(jax_stream)                # created now: their handles go into the program
-        self._wait_fn, self._write_fn = native_signal.flag_functions()
+        self._wait_fn, write_fn = native_signal.flag_functions()
         self._record_fn, self._capturing_fn = native_signal.capture_functions()
-        self._write = native_signal.STREAM_VALUE_OP(self._write_fn)
+        self._write = native_signal.STREAM_VALUE_OP(write_fn)
         self._memset = native_signal.memset_d32()
         self.wait_state, self.signal_state = native_signal.new_state(), native_signal.new_state()
         self.released = layers                      # layers of the current step released so far
 
     # -- the program's hooks -----------------------------------------------------------------------
     def wait(self, layer: int, arrays: tuple, *, platform: str):
-        return native_signal.wait_flag(arrays, platform=platform, wait_fn=self._wait_fn, write_fn=self._write_fn,
+        return native_signal.wait_flag(arrays, platform=platform, wait_fn=self._wait_fn,
                                        capturing_fn=self._capturing_fn, flag=self.words.data_ptr() + 4 * layer,
                                        state=self.wait_state)
 

@@ -49,7 +49,7 @@ class CountingHooks:
         self.wait_state, self.signal_state = native_signal.new_state(), native_signal.new_state()
 
     def wait(self, layer, arrays, *, platform):
-        return self.ns.wait_flag(arrays, platform=platform, wait_fn=0, write_fn=0, capturing_fn=0, flag=layer,
+        return self.ns.wait_flag(arrays, platform=platform, wait_fn=0, capturing_fn=0, flag=layer,
                                  state=self.wait_state)
 
     def signal(self, layer, arrays, *, platform):
@@ -214,7 +214,7 @@ def test_the_step_hooks_name_a_wrong_state():
     CountingHooks()                         # skips without the native library
     x = jnp.zeros(4, jnp.uint8)
     with pytest.raises(TypeError, match=r"state: expected new_state\(\)"):
-        native_signal.wait_flag((x,), platform="cpu", wait_fn=0, write_fn=0, capturing_fn=0, flag=0,
+        native_signal.wait_flag((x,), platform="cpu", wait_fn=0, capturing_fn=0, flag=0,
                                 state=array.array("I", [0, 0]))
     with pytest.raises(TypeError, match=r"state: expected new_state\(\)"):
         native_signal.step_signal((x,), platform="cpu", record_fn=0, capturing_fn=0, ready_event=0, state=[0, 0])

@@ -82,12 +82,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CkvHostSignal, SignalOnHost,
 // capture), else as a plain record.
 //
 // The flag wait holds the stream until the 32-bit word at device address `flag` is 1 (torch
-// writes it once a step, cuStreamWriteValue32), then writes it back to 0 for the next step, with
-// stream memory operations (cuStreamWaitValue32, cuStreamWriteValue32).  A one-thread kernel that
-// polls the word resumed the stream 2 us after the word's write instead of 10-12 on an H100, but
-// it sits on an SM through all of torch's compute: with 4 ms of cuBLAS matmuls a layer the step
-// took 28-35% longer (BENCHMARKS.md, fortieth section; presumably GEMMs sized to every SM losing
-// the one it holds, not profiled).  Its operands pass through aliased; the last is the step's
+// writes it once a step, cuStreamWriteValue32), a stream memory operation (cuStreamWaitValue32).
+// It leaves the word at 1: torch zeroes every word before the next step's program, which waits
+// for that on JAX's stream (StepRunner.begin), and a write back to 0 here added 1.5 us to every
+// layer's hand-off (tools/flag_wait_latency.py).  A one-thread kernel that polls the word resumed
+// the stream 2 us after the word's write instead of 10-12 on an H100, but it sits on an SM
+// through all of torch's compute: with 4 ms of cuBLAS matmuls a layer the step took 28-35% longer
+// (BENCHMARKS.md, fortieth section; presumably GEMMs sized to every SM losing the one it holds,
+// not profiled).  Its operands pass through aliased; the last is the step's
 // flag words themselves (the abandon word among them), so what the program reads of them it reads
 // after the wait (a step released half-way sets the abandon word, and the program's later writes
 // are masked by it), from a buffer the caller owns: none of the hooks' buffers lives in XLA's
@@ -99,9 +101,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CkvHostSignal, SignalOnHost,
 // own.  The host handlers only count.
 using EventRecordWithFlags = int (*)(void* event, void* stream, unsigned flags);  // cuEventRecordWithFlags
 using StreamIsCapturing = int (*)(void* stream, int* status);                      // cuStreamIsCapturing
-// cuStreamWaitValue32, cuStreamWriteValue32
+// cuStreamWaitValue32
 using StreamWaitValue32 = int (*)(void* stream, uint64_t address, uint32_t value, unsigned flags);
-using StreamWriteValue32 = StreamWaitValue32;
 constexpr unsigned kEventRecordExternal = 0x1;  // CU_EVENT_RECORD_EXTERNAL
 constexpr unsigned kWaitValueEq = 0x1;          // CU_STREAM_WAIT_VALUE_EQ
 constexpr uint64_t kCapturing = 1;              // the stream word of a run under a capture
@@ -153,7 +154,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CkvHostStepSignal, StepSignalOnHost,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets() CKV_STEP_SIGNAL_ATTRS);
 
 static ffi::Error WaitFlagOnStream(void* stream, ffi::RemainingArgs, ffi::RemainingRets, uint64_t wait_fn,
-                                   uint64_t write_fn, uint64_t capturing_fn, uint64_t flag, uint64_t state) {
+                                   uint64_t capturing_fn, uint64_t flag, uint64_t state) {
   bool capturing = false;
   if (ffi::Error error = Capturing(capturing_fn, stream, "flag wait", &capturing); error.failure()) {
     return error;
@@ -161,20 +162,16 @@ static ffi::Error WaitFlagOnStream(void* stream, ffi::RemainingArgs, ffi::Remain
   if (int rc = reinterpret_cast<StreamWaitValue32>(wait_fn)(stream, flag, 1, kWaitValueEq)) {
     return DriverFailed("flag wait", "cuStreamWaitValue32", rc);
   }
-  if (int rc = reinterpret_cast<StreamWriteValue32>(write_fn)(stream, flag, 0, 0)) {
-    return DriverFailed("flag wait", "cuStreamWriteValue32", rc);
-  }
   return Counted(state, StepStream(stream, capturing));
 }
 
-static ffi::Error WaitFlagOnHost(ffi::RemainingArgs, ffi::RemainingRets, uint64_t, uint64_t, uint64_t, uint64_t,
+static ffi::Error WaitFlagOnHost(ffi::RemainingArgs, ffi::RemainingRets, uint64_t, uint64_t, uint64_t,
                                  uint64_t state) {
   return Counted(state, 0);
 }
 
 #define CKV_WAIT_ATTRS                   \
   .Attr<uint64_t>("wait_fn")             \
-      .Attr<uint64_t>("write_fn")        \
       .Attr<uint64_t>("capturing_fn")    \
       .Attr<uint64_t>("flag")            \
       .Attr<uint64_t>("state")
