@@ -269,8 +269,8 @@ class StepFlags:
     `words` itself, imported into JAX and donated (its `flags`), and passes it through every
     wait: layer l's wait holds JAX's stream until its flag is 1 (native `cuStreamWaitValue32`,
     `interop.native_signal.wait_flag`), and the program reads the abandon word from it after
-    the wait.  Layer l's signal records
-    `events[l]`, which torch's stream waits on before reading the workspace (`torch_after`).
+    the wait.  Layer l's signal records `events[l]`, which torch's stream waits on before
+    reading the workspace (`torch_after`).
     Nothing the hooks touch depends on the step or lives in XLA's scratch memory, so XLA records
     the program into a CUDA graph at its second execution and can replay it from the third, at a
     fraction of the per-thunk dispatch, as long as the program's other buffers keep their
@@ -278,8 +278,9 @@ class StepFlags:
     every layer's hand-off 1.5 us): `next_step` zeroes every word on torch's stream, after
     torch's stream waited for the last step's program, and the next program must be dispatched
     after JAX's stream waited for torch's (`StreamEvents.jax_after_torch`), so no flag of the
-    last step, nor one an abandonment set, releases a layer of the next step early.  A step left half-way must be released (`abandon`), or JAX's stream waits forever:
-    the abandon word set first makes the rest of the program write nothing into the caches.
+    last step, nor one an abandonment set, releases a layer of the next step early.  A step left
+    half-way must be released (`abandon`), or JAX's stream waits forever: the abandon word set
+    first makes the rest of the program write nothing into the caches.
     Hashable by identity: the static `hooks` argument of the program.
 
     The hazard of a program queued ahead: while a step is not fully released, any device-wide

@@ -81,19 +81,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CkvHostSignal, SignalOnHost,
 // (cuEventRecordWithFlags with CU_EVENT_RECORD_EXTERNAL, which the driver refuses outside a
 // capture), else as a plain record.
 //
-// The flag wait holds the stream until the 32-bit word at device address `flag` is 1 (torch
-// writes it once a step, cuStreamWriteValue32), a stream memory operation (cuStreamWaitValue32).
-// It leaves the word at 1: torch zeroes every word before the next step's program, which waits
-// for that on JAX's stream (StepRunner.begin), and a write back to 0 here added 1.5 us to every
-// layer's hand-off (tools/flag_wait_latency.py).  A one-thread kernel that polls the word resumed
-// the stream 2 us after the word's write instead of 10-12 on an H100, but it sits on an SM
-// through all of torch's compute: with 4 ms of cuBLAS matmuls a layer the step took 28-35% longer
-// (BENCHMARKS.md, fortieth section; presumably GEMMs sized to every SM losing the one it holds,
-// not profiled).  Its operands pass through aliased; the last is the step's
-// flag words themselves (the abandon word among them), so what the program reads of them it reads
-// after the wait (a step released half-way sets the abandon word, and the program's later writes
-// are masked by it), from a buffer the caller owns: none of the hooks' buffers lives in XLA's
-// scratch memory, which programs run between steps move, and which would make XLA record the
+// The flag wait holds the stream until the 32-bit word at device address `flag` is 1 (torch writes
+// it once a step, cuStreamWriteValue32), a stream memory operation (cuStreamWaitValue32). It leaves
+// the word at 1: torch zeroes every word before the next step's program, which waits for that on
+// JAX's stream (StepRunner.begin), and a write back to 0 here added 1.5 us to every layer's
+// hand-off (tools/flag_wait_latency.py: the wait resumes the stream 3.7-6.0 us after torch's
+// compute ends on an H100, an event 1.5-2.1).  A one-thread kernel that polls the word resumed it in
+// about 2 us, but it sits on an SM through all of torch's compute: with 4 ms of cuBLAS matmuls a
+// layer the step took 28-35% longer (BENCHMARKS.md, fortieth section; presumably GEMMs sized to
+// every SM losing the one it holds, not profiled).  Its operands pass through aliased; the last is
+// the step's flag words themselves (the abandon word among them), so what the program reads of them
+// it reads after the wait (a step released half-way sets the abandon word, and the program's later
+// writes are masked by it), from a buffer the caller owns: none of the hooks' buffers lives in
+// XLA's scratch memory, which programs run between steps move, and which would make XLA record the
 // hooks anew.
 //
 // `state` counts the handlers' runs (an execution or a recording, never a replay), with the stream
