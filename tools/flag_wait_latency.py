@@ -136,14 +136,10 @@ class Probe:
 
     def graph_of_wait(self, *, wait: str, reset: str, memory: str, consumer: str):
         """The consumer's wait, reset and a one-element kernel, recorded into a CUDA graph."""
-        flag, stream = self.flag(memory), self.streams[consumer]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            with torch.cuda.graph(graph, stream=stream):
-                capture = torch.cuda.current_stream()
-                self.wait(wait, reset, capture, flag)
-                self.tick.add_(1)
-        return graph
+        def queue():
+            self.wait(wait, reset, torch.cuda.current_stream(), self.flag(memory))
+            self.tick.add_(1)
+        return self._captured(consumer, queue)
 
     def plain_with_tick(self, **kw):
         """The same as the graph, queued plainly: wait, reset, the one-element kernel."""
@@ -152,20 +148,21 @@ class Probe:
     def wait_then_graph(self, **kw):
         """The wait and reset queued plainly, then a CUDA graph of the one-element kernel (a wait
         outside the command buffers XLA records around it)."""
-        return _TickedWait(self, graph=self._graph_of_tick(kw["consumer"]), **kw)
+        return _TickedWait(self, graph=self._captured(kw["consumer"], lambda: self.tick.add_(1)), **kw)
 
-    def _graph_of_tick(self, consumer: str):
+    def _captured(self, consumer: str, queue):
+        """What `queue()` queues on the current stream, recorded into a CUDA graph on `consumer`."""
         graph, stream = torch.cuda.CUDAGraph(), self.streams[consumer]
         with torch.cuda.stream(stream):
             with torch.cuda.graph(graph, stream=stream):
-                self.tick.add_(1)
+                queue()
         return graph
 
 
 class _TickedWait:
     def __init__(self, probe: Probe, *, wait: str, reset: str, memory: str, consumer: str, graph=None):
-        self.probe, self.wait, self.reset, self.memory, self.consumer = probe, wait, reset, memory, consumer
-        self.graph = graph
+        # (consumer: the stream `trial` replays it on, current by then)
+        self.probe, self.wait, self.reset, self.memory, self.graph = probe, wait, reset, memory, graph
 
     def replay(self):
         stream = torch.cuda.current_stream()
