@@ -552,7 +552,8 @@ def step_program(ring, caches, flags, kv_c, k_pe, arrays: StepArrays, *, depth: 
               after each wait (on a GPU `StepFlags.words` itself)
       kv_c, k_pe: tuples of [C', nope_dim] and bf16[C', rope_dim] chunk buffers (C' =
               `arrays.chunk_rows` rows): one pair, which holds each layer's latents when that
-              layer's wait is released (the consumer rewrites it between layers), or L pairs
+              layer's wait is released (the consumer rewrites it between layers), or L pairs;
+              or both None: the consumer writes the chunk itself (below)
 
     The program first gathers layers 0..depth-1 into slots 0..depth-1; then for layer l:
 
@@ -569,14 +570,31 @@ def step_program(ring, caches, flags, kv_c, k_pe, arrays: StepArrays, *, depth: 
     Both hooks take and return all ring slots (the signal also the layer's written cache, as
     rows), aliased, and the writer takes the word read after the wait, so the steps of one layer
     and the layers follow each other in that order on the program's stream (no schedule can
-    hoist a later layer's work over a wait, or a prefetch over a signal).  hooks: static,
+    hoist a later layer's work over a wait, or a prefetch over a signal).
+
+    With kv_c and k_pe None the consumer writes each layer's chunk into its cache before
+    releasing the layer and, with depth > 0, patches it into the layer's slot after the layer's
+    signal; the program writes no cache and only gathers, so at depth > 0 nothing of the
+    program lies between a layer's release and its workspace:
+
+      0. the gathers of layers 0..depth-1 into slots 0..depth-1, each followed by its signal;
+      1. the wait of layer l (the consumer's cache write of layer l is done, and its reads of
+         slot (l - 1) % (depth + 1));
+      2. depth 0: the gather of layer l into slot 0, then its signal; depth > 0: the gather of
+         layer l + depth (its cache before this step's chunk, whose rows the consumer's patch
+         overwrites) into slot (l + depth) % (depth + 1), then the signal of layer l + depth.
+
+    The signal of layer t says "slot t % (depth + 1) holds layer t's gather".  hooks: static,
     hashable; on a GPU `interop.stream_handoff.StepFlags` (native flag waits and event records),
     whose docstring names the hazard of a program that waits for the host.
     Returns (the ring slots, the caches, flags)."""
     num_layers = len(caches)
     if len(ring) != depth + 1:
         raise ValueError(f"ring: expected depth + 1 = {depth + 1} slots, got {len(ring)}")
-    if len(kv_c) != len(k_pe) or len(kv_c) not in (1, num_layers):
+    if (kv_c is None) != (k_pe is None):
+        raise ValueError(f"kv_c, k_pe: expected both chunk buffers or both None (the consumer writes the chunk), "
+                         f"got {'None' if kv_c is None else 'buffers'} and {'None' if k_pe is None else 'buffers'}")
+    if kv_c is not None and (len(kv_c) != len(k_pe) or len(kv_c) not in (1, num_layers)):
         raise ValueError(f"kv_c, k_pe: expected one chunk buffer pair or one per layer ({num_layers}), "
                          f"got {len(kv_c)} and {len(k_pe)}")
     if flags.shape != (num_layers + 1,) or flags.dtype != jnp.int32:
@@ -590,6 +608,11 @@ def step_program(ring, caches, flags, kv_c, k_pe, arrays: StepArrays, *, depth: 
     through = functools.partial(_through_hook, mesh=mesh, axis_name=axis_name, platform=platform)
     ring, caches, slots = list(ring), list(caches), depth + 1
     one_rank = arrays.local_cu.shape[0] == 1
+    if kv_c is None:
+        ring, flags = _gather_only_step(ring, caches, flags, arrays, depth=depth, hooks=hooks, gather=gather,
+                                        through=through, one_rank=one_rank, tiles=tiles,
+                                        prefetch_tiles=prefetch_tiles)
+        return tuple(ring), tuple(caches), flags
     for t in range(min(depth, num_layers)):
         ring[t] = gather(caches[t], out=ring[t], tiles=prefetch_tiles)
     for l in range(num_layers):
@@ -616,3 +639,29 @@ def step_program(ring, caches, flags, kv_c, k_pe, arrays: StepArrays, *, depth: 
             after_signal = arrays if one_rank else dataclasses.replace(arrays, local_cu=following[0])
             ring[t] = gather(caches[l + depth], arrays=after_signal, out=ring[t], tiles=prefetch_tiles)
     return tuple(ring), tuple(caches), flags
+
+
+def _gather_only_step(ring: list, caches: list, flags, arrays: StepArrays, *, depth, hooks, gather, through,
+                      one_rank, tiles, prefetch_tiles):
+    """`step_program`'s layers where the consumer writes the chunk (its steps 0-2).  Each gather
+    follows the last wait through the slot it writes and, with several ranks, through
+    `local_cu`, which its pack reads: the pack writes a buffer of its own and could otherwise
+    run ahead of the wait, before the consumer's cache write (depth 0)."""
+    num_layers, slots = len(caches), depth + 1
+    following = () if one_rank else (arrays.local_cu,)
+
+    def gather_and_signal(t, ring, following, tiles):
+        after_wait = arrays if one_rank else dataclasses.replace(arrays, local_cu=following[0])
+        ring[t % slots] = gather(caches[t], arrays=after_wait, out=ring[t % slots], tiles=tiles)
+        ring, _, following = through(hooks.signal, t, ring, small=following)
+        return ring, following
+
+    for t in range(min(depth, num_layers)):
+        ring, following = gather_and_signal(t, ring, following, prefetch_tiles)
+    for l in range(num_layers):
+        ring, _, (*following, flags) = through(hooks.wait, l, ring, small=(*following, flags))
+        if depth == 0:
+            ring, following = gather_and_signal(l, ring, tuple(following), tiles)
+        elif l + depth < num_layers:
+            ring, following = gather_and_signal(l + depth, ring, tuple(following), prefetch_tiles)
+    return ring, flags

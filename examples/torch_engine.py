@@ -13,8 +13,10 @@ reference elsewhere; `--attention torch` attends in torch instead).  `--cache-wr
 leaves each layer's cache write to the adapter (`gather(..., write_cache=True)`: ckv-jax's
 writer in the layer's program, on a GPU the cache write and the patch one kernel).
 `--ordering step-program` (CUDA) dispatches each step's JAX work as one program at `begin_step`,
-each layer released by its `gather` (the adapter writes the caches; the attention is torch's,
-since JAX work queued mid-step would wait behind the program).  The same weights then run
+each layer released by its `gather` (the attention is torch's, since JAX work queued mid-step
+would wait behind the program); with `--cache-write engine` torch writes the caches and hands
+each layer's records to `gather` (`TorchCkvAdapter(cache_writes="engine")`), with `adapter` the
+step's program writes them.  The same weights then run
 through ckv-jax's pure-JAX `prefill_layers` with the same attention implementation; the outputs
 must agree.  On a GPU it runs on CUDA (one GPU: D = 1, the full path through
 `min_world_size=1`); otherwise on the CPU.
@@ -76,12 +78,15 @@ def run(args) -> int:
                     w_o=torch.randn(heads * 512, d_model, generator=gen) * 0.005) for _ in range(args.layers)]
     sm_scale = 576 ** -0.5
     layout = DcpLayout(1, 1, block)
+    # a step program that only gathers: the engine hands each layer's records to gather
+    engine_records = args.ordering == "step-program" and args.cache_write == "engine"
     blocks = -(-args.context // block)
     table = torch.randperm(blocks, generator=gen).to(torch.int32)[None, :].contiguous().to(device)
     caches = [torch.zeros(blocks, block, fmt.record_bytes, dtype=torch.uint8, device=device)
               for _ in range(args.layers)]
     adapter = interop.TorchCkvAdapter(world_size=1, format=fmt.name, max_num_seqs=1, block_size=block,
                                       min_world_size=1, ordering=args.ordering,
+                                      cache_writes="engine" if engine_records else "adapter",
                                       config=GatherConfig(enabled=True, depth=args.depth, workspace_mib=0,
                                                           min_tokens=1, max_tokens=args.context))
     step_caches = {}
@@ -123,13 +128,18 @@ def run(args) -> int:
         for layer, w in enumerate(layer_weights):
             q = (x @ w["w_q"]).reshape(q_len, heads, 576).to(torch.bfloat16)
             kv = x @ w["w_kv"]
-            kv_c, k_pe = adapter.chunk_buffers()          # the latents go where the patch reads them: no copy
-            kv_c.copy_(kv[:, :512])
-            k_pe.copy_(kv[:, 512:])
-            adapter.set_current_chunk(kv_c, k_pe)          # before the cache write: the patch runs beside it
-            if args.cache_write == "engine":
-                torch_records.write(caches[layer], torch_records.encode(fmt.name, kv_c, k_pe), slots)
-            ws = adapter.gather(layer, caches[layer], write_cache=args.cache_write == "adapter")
+            if engine_records:
+                records = torch_records.encode(fmt.name, kv[:, :512].to(torch.bfloat16), kv[:, 512:].to(torch.bfloat16))
+                torch_records.write(caches[layer], records, slots)
+                ws = adapter.gather(layer, caches[layer], records=records)
+            else:
+                kv_c, k_pe = adapter.chunk_buffers()      # the latents go where the patch reads them: no copy
+                kv_c.copy_(kv[:, :512])
+                k_pe.copy_(kv[:, 512:])
+                adapter.set_current_chunk(kv_c, k_pe)      # before the cache write: the patch runs beside it
+                if args.cache_write == "engine":
+                    torch_records.write(caches[layer], torch_records.encode(fmt.name, kv_c, k_pe), slots)
+                ws = adapter.gather(layer, caches[layer], write_cache=args.cache_write == "adapter")
             if args.attention == "torch":
                 out = torch_attention(q.float(), ws[:adapter.rows], idx, cnt, sm_scale, fmt.name).to(torch.bfloat16)
             else:
@@ -182,13 +192,13 @@ def main(argv=None) -> int:
                     help="who writes each layer's cache: torch (the engine) or the adapter's gather "
                          "(default %(default)s)")
     ap.add_argument("--ordering", choices=("step-program",), default=None,
-                    help="the adapter's ordering (default: its own choice); step-program needs CUDA, "
-                         "--cache-write adapter and --attention torch")
+                    help="the adapter's ordering (default: its own choice); step-program needs CUDA and "
+                         "--attention torch")
     args = ap.parse_args(argv)
     if args.ordering == "step-program":
-        if args.cache_write != "adapter" or args.attention != "torch":
-            ap.error("--ordering step-program: the step's program writes the caches and JAX work mid-step "
-                     "would wait behind it; pass --cache-write adapter --attention torch")
+        if args.attention != "torch":
+            ap.error("--ordering step-program: JAX work queued mid-step would wait behind the step's program; "
+                     "pass --attention torch")
         # read when CUDA initializes (nothing has yet): the adapter refuses lazy kernel loading
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     for name in ("layers", "heads", "d_model", "context", "chunk", "topk"):

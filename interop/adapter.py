@@ -58,6 +58,17 @@ while torch computes layer L.  Three ordering protocols, chosen once (`ordering`
   torch initializes on first use, such as cuBLAS at the process's first matmul, synchronizing
   the device) cannot be rescued, so run every such library once before the first step.
   kv_c must be bf16, one lane only (no ubatches or speculative lanes).
+  With `cache_writes="engine"` the engine writes each layer's cache itself and passes the
+  chunk's encoded records to `gather(l, kv_caches[l], records=...)`: the program only gathers,
+  and at depth > 0 torch patches the records into the layer's slot on its own stream after
+  waiting on the event of the slot's gather, which ran layers earlier.  No JAX work then lies
+  between a layer's cache write and its attention (the "adapter" mode puts the program's writer
+  kernel there, between the flag and the event); the engine's writer produces the records once
+  (e.g. into a [T, 1, R] buffer through slots 0..T-1) and the adapter copies them in 8-byte
+  words.  Measured at 262K on an H100 it still hides less than the "adapter" mode (80.6-81.8%
+  at depths 1-2, against 82.9-91.9%; BENCHMARKS.md, forty-second section): the flag's write
+  after the engine's write kernel holds torch's stream for longer than the whole hand-off after
+  a compute that writes nothing.
 
 The returned view is valid until its ring slot is reused (depth + 1 layers later, or the next
 step); drop it (and every view of it) before that, or the reuse raises (the pool never grows).
@@ -127,18 +138,27 @@ class TorchCkvAdapter:
     programs of a prefetch's pack (`PrefetchOrchestrator`'s).  `native_signal=False` keeps the
     cuda-events ordering's in-program signal a Python callback instead of the native custom call
     (to compare them).  `step_timeout_s`: how long an open step of the "step-program" ordering
-    may see no `gather` before its watchdog abandons it."""
+    may see no `gather` before its watchdog abandons it.  `cache_writes`: the step-program
+    ordering's writer of the chunk, "adapter" (the program, from `set_current_chunk`'s latents)
+    or "engine" (the engine's own writer; `gather` takes the chunk's records)."""
 
     def __init__(self, *, world_size: int, format: str, max_num_seqs: int, config: GatherConfig,
                  interleave: int = 1, block_size: int = 64, mesh: jax.sharding.Mesh | None = None,
                  ubatches: int = 1, speculative: bool = False, implementation=None, interpret: bool = False,
                  min_world_size: int = 2, ordering: str | None = None, prefetch_programs: int | None = None,
-                 native_signal: bool = True, step_timeout_s: float = 10.0):
+                 native_signal: bool = True, step_timeout_s: float = 10.0, cache_writes: str = "adapter"):
         bridge.check_not_capturing("TorchCkvAdapter")
         if not config.enabled:
             raise ValueError("config: the full-CKV gather is disabled (GatherConfig.enabled / CKV_JAX_GATHER)")
         if ordering not in ORDERINGS:
             raise ValueError(f"ordering: expected one of {ORDERINGS}, got {ordering!r}")
+        if cache_writes not in CACHE_WRITES:
+            raise ValueError(f"cache_writes: expected one of {CACHE_WRITES}, got {cache_writes!r}")
+        if cache_writes == "engine" and ordering != "step-program":
+            raise ValueError(f"cache_writes: 'engine' is the step-program ordering's (the others take write_cache "
+                             f"per gather), got ordering={ordering!r}")
+        self.cache_writes = cache_writes
+        self._engine_writes = cache_writes == "engine"
         if ordering == "step-program" and (ubatches != 1 or speculative):
             raise ValueError(f"ordering: 'step-program' runs one lane, got ubatches={ubatches}, "
                              f"speculative={speculative}")
@@ -180,6 +200,7 @@ class TorchCkvAdapter:
         self._keepalive: list = []         # torch tensors JAX may still read this step
         self._host_slots = None            # DLPack path: this rank's cache slot of every chunk token
         self._topk_tables = None           # the step's `torch_topk.TopkTables`
+        self._patch_rows = None            # cache_writes="engine": int64[T], the chunk's workspace rows
         # cuda-events and step-program: the step's arrays in memory that stays put
         self._resident = resident_arrays.ResidentStepArrays(mesh, self.device, self.torch_device) \
             if self.events else None
@@ -276,7 +297,14 @@ class TorchCkvAdapter:
         if len({t.data_ptr() for t in kv_caches}) != len(kv_caches):
             raise ValueError("kv_caches: expected one cache tensor of its own per layer; some share memory "
                              "(the program writes each in place)")
-        kv_c, k_pe = (self._chunk_buffers[(t.dtype, t.shape[1])][1] for t in self.chunk_buffers())
+        if self._engine_writes:
+            kv_c = k_pe = None
+            # pinned, so the copy does not wait for the host (torch's host allocator keeps the block
+            # until the copy ran)
+            rows = torch.from_numpy(dcp_step.chunk_rows(plan).astype(np.int64)).pin_memory()
+            self._patch_rows = rows.to(self.torch_device, non_blocking=True)
+        else:
+            kv_c, k_pe = (self._chunk_buffers[(t.dtype, t.shape[1])][1] for t in self.chunk_buffers())
         lane = self.orch.lane("target").lane
         ring, slots = self.orch.pool.ring(lane), self.orch.depth + 1
         for index in range(min(self.orch.depth, len(caches))):      # the program's first prefetches
@@ -303,6 +331,7 @@ class TorchCkvAdapter:
         before its `gather`: torch's stream already waited for the previous layer's patch when it
         produces the next latents); with the DLPack path, fresh tensors per call."""
         self._require_step("chunk_buffers")
+        self._check_latents_taken("chunk_buffers")
         dtypes = (torch.bfloat16,) if self.step is not None else KV_C_DTYPES
         if kv_c_dtype not in dtypes:
             raise TypeError(f"kv_c_dtype: expected one of {bridge.dtype_names(dtypes)}"
@@ -326,6 +355,7 @@ class TorchCkvAdapter:
         then starts after the cache write.  The DLPack path imports them in `gather` and needs
         them compact."""
         self._require_step("set_current_chunk")
+        self._check_latents_taken("set_current_chunk")
         if self.events is None:
             bridge.check_tensor("kv_c", kv_c, self.device)
             bridge.check_tensor("k_pe", k_pe, self.device)
@@ -351,7 +381,8 @@ class TorchCkvAdapter:
             self.events.mark_latents(self.events.torch_stream())
 
     def gather(self, layer_idx: int | None, kv_cache: torch.Tensor, *, lane="target",
-               after: torch.cuda.Event | torch.cuda.Stream | None = None, write_cache: bool = False) -> torch.Tensor:
+               after: torch.cuda.Event | torch.cuda.Stream | None = None, write_cache: bool = False,
+               records: torch.Tensor | None = None) -> torch.Tensor:
         """This layer's gathered workspace u8[D * C, R] (rank-major rows, current chunk patched)
         as a torch view, after the layer wrote its chunk into `kv_cache` u8[num_blocks, block_size, R].
 
@@ -370,14 +401,23 @@ class TorchCkvAdapter:
         With the step-program ordering the call releases layer `layer_idx` (the next in order) to
         the program begin_step dispatched: `kv_cache` must be the cache given there for the
         layer, `write_cache` True and `lane` "target".
+        records: with `cache_writes="engine"` (and only then), the chunk's records u8[T, R] of all
+        T tokens of the step (every rank's), encoded by the engine, which wrote this rank's into
+        `kv_cache` before the call (`write_cache` False): at depth > 0 torch copies them into the
+        workspace's chunk rows on its current stream, after the slot's gather.
         """
         self._require_step("gather")
         if not isinstance(write_cache, bool):
             raise TypeError(f"write_cache: expected a bool, got {type(write_cache).__name__}")
+        if self._engine_writes:
+            return self._release_layer(layer_idx, kv_cache, lane, after, write_cache, records)
+        if records is not None:
+            raise ValueError("records: only an adapter made with cache_writes='engine' takes the chunk's records "
+                             "(this one writes the chunk from set_current_chunk's latents)")
         if self._chunk is None:
             raise RuntimeError("gather: call set_current_chunk(kv_c, k_pe) for this layer first")
         if self.step is not None:
-            return self._release_layer(layer_idx, kv_cache, lane, after, write_cache)
+            return self._release_layer(layer_idx, kv_cache, lane, after, write_cache, None)
         cache = self._cache(lane, layer_idx, kv_cache)
         if after is not None:
             bridge.join_stream(kv_cache.device, after)
@@ -401,13 +441,19 @@ class TorchCkvAdapter:
         self.events.torch_after_signal(stream)  # torch waits for this layer's slot, not for the prefetches
         return self.orch.pool.tensor_of(ws).detach()    # a view: the slot's reuse check counts it
 
-    def _release_layer(self, layer_idx, kv_cache, lane, after, write_cache) -> torch.Tensor:
+    def _release_layer(self, layer_idx, kv_cache, lane, after, write_cache, records) -> torch.Tensor:
         """step-program: hand layer `layer_idx` to the step's program (see the module docstring)."""
         if lane != "target":
             raise ValueError(f"lane: the step-program ordering runs one lane, 'target'; got {lane!r}")
-        if not write_cache:
+        if self._engine_writes:
+            if write_cache:
+                raise ValueError("write_cache: with cache_writes='engine' the engine writes the cache; pass "
+                                 "write_cache=False and the chunk's records")
+            self._check_records(records)
+        elif not write_cache:
             raise ValueError("write_cache: the step-program ordering writes every layer's cache in the step's "
-                             "program; pass write_cache=True (and leave the cache write to it)")
+                             "program; pass write_cache=True (and leave the cache write to it), or make the "
+                             "adapter with cache_writes='engine'")
         self.step.raise_if_abandoned()
         expected = self.step.next_layer
         if layer_idx != expected:
@@ -418,20 +464,46 @@ class TorchCkvAdapter:
         if not isinstance(kv_cache, torch.Tensor) or held is None or held[0] != kv_cache.data_ptr() \
                 or held[1] != kv_cache.shape:
             raise ValueError(f"kv_cache: expected the memory begin_step was given as kv_caches[{layer_idx}] "
-                             "(the step's program writes that one)")
+                             "(the step's program works on that one)")
         bridge.join_stream(kv_cache.device, after)
+        depth, lane_index = self.orch.depth, self.orch.lane(lane).lane
+        if self._engine_writes:
+            self._check_writable_after_release(layer_idx, lane_index)
+            self.step.release(layer_idx)
+            slot = self.orch.pool.slot_tensor(lane_index, layer_idx % (depth + 1))
+            if depth:       # on torch's stream, which now waits for the slot's gather
+                _copy_rows(slot, self._patch_rows, records)
+            return slot.detach()
         chunk, self._chunk = self._chunk, None
         if not self._chunk_marked:
             if chunk[0].dtype != torch.bfloat16:
                 raise TypeError(f"kv_c: the step-program ordering takes bf16 latents, got {chunk[0].dtype}")
             self._chunk_on_device(chunk)                # copied into the chunk buffers on torch's stream
-        # the slot the program overwrites after this release: the layer's own (depth 0), or the
-        # one that layer + depth is prefetched into (the last layer's, which torch read before this)
-        depth, lane_index = self.orch.depth, self.orch.lane(lane).lane
-        if depth == 0 or layer_idx + depth < self.step.flags.layers:
-            self.orch.pool.check_writable(lane_index, (layer_idx + depth) % (depth + 1))
+        self._check_writable_after_release(layer_idx, lane_index)
         self.step.release(layer_idx)
         return self.orch.pool.slot_tensor(lane_index, layer_idx % (depth + 1)).detach()
+
+    def _check_writable_after_release(self, layer_idx: int, lane_index: int):
+        """step-program: the slot the program overwrites after layer `layer_idx`'s release, the
+        layer's own (depth 0) or the one that layer + depth is prefetched into (the last layer's,
+        which torch read before this), holds no view but the pool's."""
+        depth = self.orch.depth
+        if depth == 0 or layer_idx + depth < self.step.flags.layers:
+            self.orch.pool.check_writable(lane_index, (layer_idx + depth) % (depth + 1))
+
+    def _check_latents_taken(self, what: str):
+        if self._engine_writes:
+            raise RuntimeError(f"{what}: this adapter was made with cache_writes='engine': the engine writes the "
+                               "chunk itself and passes its records to gather(records=)")
+
+    def _check_records(self, records):
+        want = f"uint8[{self.plan.num_tokens}, {self.fmt.record_bytes}] (the step's {self.fmt.name} chunk records)"
+        if not isinstance(records, torch.Tensor):
+            raise TypeError(f"records: expected a torch.Tensor {want}, got {type(records).__name__}")
+        if records.dtype != torch.uint8 or records.shape != (self.plan.num_tokens, self.fmt.record_bytes):
+            raise ValueError(f"records: expected {want}, got {records.dtype}{list(records.shape)}")
+        if records.device != self.torch_device:
+            raise ValueError(f"records: on {records.device}, expected {self.torch_device} (the adapter's GPU)")
 
     def _rebind(self, lane, layer_idx, kv_cache: torch.Tensor, written: jax.Array):
         """The written cache (the donated one's successor) as the binding of `kv_cache`, which it
@@ -575,12 +647,23 @@ class TorchCkvAdapter:
         self._marked_chunk = None
         self._chunk = None
         self._topk_tables = None
+        self._patch_rows = None
 
 
 ORDERINGS = (None, "cuda-events", "dlpack", "step-program")
+CACHE_WRITES = ("adapter", "engine")
 
 # the writer's latent dtypes (`ckv_jax.validation.KV_C_DTYPES`) as torch dtypes
 KV_C_DTYPES = tuple(getattr(torch, jnp.dtype(d).name) for d in validation.KV_C_DTYPES)
+
+
+def _copy_rows(workspace: torch.Tensor, rows: torch.Tensor, records: torch.Tensor):
+    """workspace[rows[t]] = records[t] on torch's current stream, in 8-byte words where both
+    are whole words (one load and store per word instead of per byte)."""
+    if records.is_contiguous() and records.shape[1] % 8 == 0 and records.data_ptr() % 8 == 0 \
+            and workspace.data_ptr() % 8 == 0:
+        workspace, records = workspace.view(torch.int64), records.view(torch.int64)
+    workspace.index_copy_(0, rows, records)
 
 
 def _check_copied(name: str, tensor, dtypes, device: torch.device):

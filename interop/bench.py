@@ -14,7 +14,9 @@ adapter copies per layer (`--latents copied`).  The engine writes each layer's c
 engine's writer kernel stores them, or byte by byte, `bytes`, torch's element-wise kernel that
 earlier runs used), or leaves it to the adapter (`adapter`: `gather(..., write_cache=True)`
 writes it with ckv-jax's writer in the layer's program); the compute alone always has the
-engine's write.  `--torch-marks before|after` records a timing event on torch's stream just
+engine's write.  With `--ordering step-program` an adapter's program either writes the caches
+(`adapter`) or only gathers (`engine`: the engine writes its caches and `gather` takes the
+chunk's records, which torch copies into the workspace, `TorchCkvAdapter(cache_writes=)`).  `--torch-marks before|after` records a timing event on torch's stream just
 before or after each layer's compute in every variant, as an engine's own marks would: the
 hand-offs between the streams take a few microseconds more or less with such incidental
 commands.  Two kinds of
@@ -117,6 +119,8 @@ class Workload:
         asked = dict(native_signal=False) if not self.native_signal else {}
         if ordering is not None:
             asked["ordering"] = ordering
+        if ordering == "step-program":        # the program writes the caches, or only gathers
+            asked["cache_writes"] = self.cache_write
         return interop.TorchCkvAdapter(
             world_size=1, format=FMT.name, max_num_seqs=1, block_size=self.layout.block_size, min_world_size=1,
             config=GatherConfig(enabled=True, depth=depth, workspace_mib=0, min_tokens=1,
@@ -139,7 +143,7 @@ class Workload:
         caches = dict(kv_caches=self.caches) if adapter.ordering == "step-program" else {}
         began = adapter.begin_step(self.seq, self.q, self.table_host, **caches)
         self.latents = (self.kv, self.pe)
-        if began and self.chunk_in_place:           # as the engine's projection would write them
+        if began and self.chunk_in_place and not _takes_records(adapter):   # as the engine's projection would
             self.latents = adapter.chunk_buffers()
             for buffer, value in zip(self.latents, (self.kv, self.pe)):
                 buffer.copy_(value)
@@ -174,10 +178,13 @@ class Workload:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(adapter.events.jax_stream)
             adapter_writes = self.cache_write == "adapter"
+            # a step program that only gathers takes the records the engine wrote, no latents
+            records = dict(records=self.records) if _takes_records(adapter) else {}
             if not (self.mark_before_write or adapter_writes):
                 self.write(layer, indexer)
             t0 = time.perf_counter()
-            adapter.set_current_chunk(*self.latents)     # the latents are final
+            if not records:
+                adapter.set_current_chunk(*self.latents)     # the latents are final
             t1 = time.perf_counter()
             if adapter_writes:
                 if indexer is not None:
@@ -185,7 +192,7 @@ class Workload:
             elif self.mark_before_write:
                 self.write(layer, indexer)
             t2 = time.perf_counter()
-            ws = adapter.gather(layer, cache, write_cache=adapter_writes)
+            ws = adapter.gather(layer, cache, write_cache=adapter_writes, **records)
             if host is not None:
                 host.append(t1 - t0 + time.perf_counter() - t2)
             if jax_events is not None:
@@ -196,6 +203,11 @@ class Workload:
             del ws
             if after_layer is not None:
                 after_layer()
+
+
+def _takes_records(adapter) -> bool:
+    """A step-program adapter whose engine writes the caches: `gather` takes the chunk's records."""
+    return getattr(adapter, "cache_writes", "adapter") == "engine"
 
 
 def event_ms(fn, before=None) -> float:
@@ -406,7 +418,7 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
     indexers = {x: compute_kernels(x * indexer_pct / 100) if indexer_pct else None for x in compute_ms}
     for history in histories:
         work = Workload(history, chunk, layers, chunk_in_place=chunk_in_place, mark_before_write=mark_before_write,
-                        native_signal=native_signal, engine_write=engine_write)
+                        native_signal=native_signal, cache_write=cache_writes[0], engine_write=engine_write)
         adapters = {d: work.adapter(d, prefetch_programs, ordering) for d in depths}
         base = work.adapter(min(depths), prefetch_programs) if ordering == "step-program" else adapters[min(depths)]
         gather_ms = {}
@@ -536,13 +548,14 @@ def main(argv=None) -> int:
                          "callback (default %(default)s)")
     ap.add_argument("--ordering", choices=["cuda-events", "step-program"], default="cuda-events",
                     help="the adapters' ordering: a program per layer, or the whole step's as one program behind "
-                         "flags (needs --cache-writes adapter) (default %(default)s)")
+                         "flags (with one --cache-writes: adapter, the program writes the caches; engine, the "
+                         "engine does and torch patches the workspace) (default %(default)s)")
     ap.add_argument("--out", default="interop.json", help="JSON results (default %(default)s)")
     args = ap.parse_args(argv)
     if args.ordering == "step-program":
-        if args.cache_writes != ["adapter"]:
-            print("--ordering step-program: the step's program writes the caches; pass --cache-writes adapter",
-                  file=sys.stderr)
+        if len(args.cache_writes) != 1:
+            print("--ordering step-program: an adapter's program writes the caches or only gathers; pass one "
+                  f"--cache-writes, got {','.join(args.cache_writes)}", file=sys.stderr)
             return 2
         # read when CUDA initializes, which nothing in this process did yet (the adapter checks)
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")

@@ -91,8 +91,9 @@ class StepRunner:
     def begin(self, ring: list, caches: list, kv_c, k_pe, arrays: dcp_step.StepArrays) -> tuple[tuple, tuple]:
         """Dispatch the step's program after the work queued on torch's current stream so far.
         ring, caches, kv_c, k_pe: the adapter's JAX arrays of its torch memory (the ring and the
-        caches donated: the program writes them in place).  Returns (ring, caches), the arrays
-        that replace the donated ones."""
+        caches donated: the program writes them in place); kv_c and k_pe None where the engine
+        writes the chunk (`dcp_step.step_program`'s gather-only step).  Returns (ring, caches),
+        the arrays that replace the donated ones."""
         stream = self.events.torch_stream()
         with self._lock:
             self._abandon_locked(stream)
@@ -104,8 +105,9 @@ class StepRunner:
             self.events.torch_after_jax(stream)        # the last program is done with the flags
             self.flags.next_step(stream)
             self.events.jax_after_torch(stream)
-            ring, caches, self._words = dcp_step.step_program(tuple(ring), tuple(caches), self._words, (kv_c,),
-                                                              (k_pe,), arrays, hooks=self.flags, **self._program)
+            chunk = (None, None) if kv_c is None else ((kv_c,), (k_pe,))
+            ring, caches, self._words = dcp_step.step_program(tuple(ring), tuple(caches), self._words, *chunk, arrays,
+                                                              hooks=self.flags, **self._program)
             self.hooks_run.append(self.flags.dispatched())
             self._stream, self._abandoned, self._progress = stream, None, time.monotonic()
             _mark_open(self, True)

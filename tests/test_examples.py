@@ -35,3 +35,17 @@ def test_torch_engine_example_matches_the_pure_jax_path(attention, cache_write):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"attention {attention}, caches written by the {cache_write}" in proc.stdout
     assert proc.stdout.count("-> match") == 2 and "all chunks match" in proc.stdout, proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_write", ["engine", "adapter"])
+def test_torch_engine_example_runs_a_step_program_and_matches_the_pure_jax_path(cache_write):
+    import jax
+    import torch
+    if not (torch.cuda.is_available() and jax.default_backend() == "gpu"):
+        pytest.skip("--ordering step-program needs torch and JAX on a CUDA GPU")
+    proc = _example("torch_engine.py", "--depth", "1", "--layers", "2", "--context", "192", "--chunk", "96",
+                    "--attention", "torch", "--cache-write", cache_write, "--ordering", "step-program")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"caches written by the {cache_write}, ordering step-program" in proc.stdout
+    assert proc.stdout.count("-> match") == 2 and "all chunks match" in proc.stdout, proc.stdout

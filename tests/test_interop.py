@@ -332,8 +332,17 @@ def test_cpu_tensors_take_the_dlpack_path_and_events_are_refused():
     with pytest.raises(ValueError, match=r"ordering: expected one of \(None, 'cuda-events', 'dlpack', "
                                          r"'step-program'\), got 'nccl'"):
         _adapter(1, engine, ordering="nccl")
+    with pytest.raises(ValueError, match=r"cache_writes: expected one of \('adapter', 'engine'\), got 'torch'"):
+        _adapter(1, engine, cache_writes="torch")
+    with pytest.raises(ValueError, match=r"cache_writes: 'engine' is the step-program ordering's \(the others take "
+                                         r"write_cache per gather\), got ordering=None"):
+        _adapter(1, engine, cache_writes="engine")
     adapter = _adapter(1, engine)
     hist, q = STEPS[0]
+    with pytest.raises(ValueError, match="records: only an adapter made with cache_writes='engine' takes"):
+        adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table)
+        adapter.set_current_chunk(*engine.chunk(int(q.sum())))
+        adapter.gather(0, engine.caches[0], records=torch.zeros(int(q.sum()), 656, dtype=torch.uint8))
     with pytest.raises(ValueError, match="kv_caches: the dlpack ordering takes each layer's cache in gather"):
         adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table, kv_caches=engine.caches)
 

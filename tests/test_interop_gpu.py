@@ -517,15 +517,18 @@ def test_the_gather_program_holds_no_copy_of_the_slot():
 
 
 @pytest.mark.parametrize("ordering, write_cache, remap", [("cuda-events", False, False), ("cuda-events", True, False),
-                                                          ("cuda-events", True, True), ("step-program", True, True)])
+                                                          ("cuda-events", True, True), ("step-program", True, True),
+                                                          ("step-program", False, True)])
 def test_no_host_synchronization_in_the_layer_loop(ordering, write_cache, remap):
     """torch raises on any synchronizing call in the loop (sync debug mode), and the host
     enqueues a whole step far faster than the GPU runs it, so JAX never blocked either; with the
     cache written by torch or by the adapter, with each layer's top-k remap or without, on
-    either ordering."""
+    either ordering (step-program with torch's writes: cache_writes="engine")."""
     layers = 6
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
-    adapter = _step_adapter(2) if ordering == "step-program" else _adapter(2, ordering)
+    engine_writes = ordering == "step-program" and not write_cache
+    adapter = _step_adapter(2, cache_writes="engine" if engine_writes else "adapter") \
+        if ordering == "step-program" else _adapter(2, ordering)
     hist, q = STEPS[0]
     plan = engine.plan(hist, q, min_world_size=1)
     slots = torch.tensor(engine.layout.slot_mapping(plan.positions(), plan.req_id_per_token, engine.table_host, 0),
@@ -534,7 +537,8 @@ def test_no_host_synchronization_in_the_layer_loop(ordering, write_cache, remap)
     dest = slots[keep]
     seq, qlen, table = torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu()
     chunks = [engine.chunk(plan.num_tokens) for _ in range(layers)]
-    records = [torch_records.encode("fp8_ds_mla", kv, pe).index_select(0, keep) for kv, pe in chunks]
+    every_record = [torch_records.encode("fp8_ds_mla", kv, pe) for kv, pe in chunks]
+    records = [r.index_select(0, keep) for r in every_record]
     topk = torch.tensor(np.minimum(np.arange(16)[None, :] * 5, plan.positions()[:, None]), dtype=torch.int32,
                         device="cuda")
     cycles = _sleep_cycles_per_ms() * 10
@@ -552,8 +556,11 @@ def test_no_host_synchronization_in_the_layer_loop(ordering, write_cache, remap)
             if not write_cache:
                 engine.caches[layer].view(-1, 656).index_copy_(0, dest, records[layer])
             t0 = time.perf_counter()
-            adapter.set_current_chunk(*chunks[layer])
-            ws = adapter.gather(layer, engine.caches[layer], write_cache=write_cache)
+            if engine_writes:
+                ws = adapter.gather(layer, engine.caches[layer], records=every_record[layer])
+            else:
+                adapter.set_current_chunk(*chunks[layer])
+                ws = adapter.gather(layer, engine.caches[layer], write_cache=write_cache)
             if remap:
                 idx, cnt = adapter.remap_topk(topk)
                 idx[:1, :1].sum() + cnt[:1].sum()
@@ -762,6 +769,57 @@ def test_the_step_program_ordering_is_exact_in_every_order_and_replays(depth, st
     adapter.close()
 
 
+@pytest.mark.parametrize("depth", range(4))
+@pytest.mark.parametrize("stream", ["default", "side"])
+def test_a_step_program_whose_engine_writes_the_caches_is_exact_in_every_order_and_replays(depth, stream):
+    """cache_writes="engine": per layer the engine's latents come behind long matmuls, it encodes
+    them and writes its cache (torch_records), reads the previous layer's workspace behind more
+    matmuls, then calls gather with the records (freed at once, so the allocator hands their
+    memory to the next layer's); every workspace read is the pure-JAX gather of the cache torch
+    wrote.  Three rounds of two step shapes; from a shape's third step on XLA replays the
+    program."""
+    layers = 4
+    engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
+    adapter = _step_adapter(depth, step_timeout_s=120, cache_writes="engine")
+    pointers = [c.data_ptr() for c in engine.caches]
+    a = torch.randn(4096, 4096, device="cuda")
+    torch_stream = torch.cuda.Stream() if stream == "side" else torch.cuda.default_stream()
+    written = []
+    for round_ in range(3):
+        for hist, q in STEPS:
+            plan = engine.plan(hist, q, min_world_size=1)
+            got, caches, previous = [], [], None
+            with torch.cuda.stream(torch_stream):
+                assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu(),
+                                          kv_caches=engine.caches)
+                for layer in range(layers):
+                    for _ in range(4):
+                        a = (a @ a).clamp_(-1, 1)               # the latents come late
+                    kv, pe = engine.chunk(plan.num_tokens)
+                    records = torch_records.encode("fp8_ds_mla", kv, pe)
+                    engine.write(layer, plan, kv, pe)
+                    for _ in range(4):
+                        a = (a @ a).clamp_(-1, 1)               # the read of the previous workspace comes late
+                    if previous is not None:
+                        got.append(previous[:adapter.rows].clone())
+                        previous = None
+                    previous = adapter.gather(layer, engine.caches[layer], records=records)
+                    del records
+                    caches.append(engine.caches[layer].clone())
+                got.append(previous[:adapter.rows].clone())
+                del previous
+            written.append((f"depth {depth} {stream} round {round_} T {plan.num_tokens}", plan, got, caches))
+    torch_stream.synchronize()
+    for what, plan, got, caches in written:
+        for layer in range(layers):
+            np.testing.assert_array_equal(got[layer].cpu().numpy(), engine.gathered_now(caches[layer], plan),
+                                          err_msg=f"{what} layer {layer}")
+    assert [c.data_ptr() for c in engine.caches] == pointers
+    runs = adapter.step.hooks_run
+    assert runs[:4] == [2 * layers] * 4 and 0 in runs[4:] and set(runs) <= {0, 2 * layers}, runs
+    adapter.close()
+
+
 @pytest.mark.parametrize("ordering", ["cuda-events", "step-program"])
 def test_a_steps_arrays_stay_put_and_a_queued_step_keeps_its_own(ordering):
     """Two steps of the same shapes back to back, the first still queued behind long matmuls
@@ -865,6 +923,35 @@ def test_the_step_program_ordering_names_what_it_cannot_take():
     adapter.close()                                       # abandons the open step: the stream drains
     torch.cuda.synchronize()
     interop.sparse_mla_attention(*attention, format="fp8_ds_mla")           # no step open
+
+
+def test_a_step_program_whose_engine_writes_the_caches_names_what_it_cannot_take():
+    engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), 2, device="cuda")
+    adapter = _step_adapter(1, step_timeout_s=60, cache_writes="engine")
+    hist, q = STEPS[0]
+    plan = engine.plan(hist, q, min_world_size=1)
+    assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu(),
+                              kv_caches=engine.caches)
+    t = plan.num_tokens
+    records = torch_records.encode("fp8_ds_mla", *engine.chunk(t))
+    with pytest.raises(RuntimeError, match="set_current_chunk: this adapter was made with cache_writes='engine'"):
+        adapter.set_current_chunk(*engine.chunk(t))
+    with pytest.raises(RuntimeError, match="chunk_buffers: this adapter was made with cache_writes='engine'"):
+        adapter.chunk_buffers()
+    with pytest.raises(ValueError, match="write_cache: with cache_writes='engine' the engine writes the cache"):
+        adapter.gather(0, engine.caches[0], write_cache=True, records=records)
+    with pytest.raises(TypeError, match=rf"records: expected a torch.Tensor uint8\[{t}, 656\] \(the step's "
+                                        r"fp8_ds_mla chunk records\), got NoneType"):
+        adapter.gather(0, engine.caches[0])
+    with pytest.raises(ValueError, match=rf"records: expected uint8\[{t}, 656\] .*, got torch.uint8\[{t - 1}, 656\]"):
+        adapter.gather(0, engine.caches[0], records=records[1:])
+    with pytest.raises(ValueError, match=rf"records: expected uint8\[{t}, 656\] .*, got torch.int8\[{t}, 656\]"):
+        adapter.gather(0, engine.caches[0], records=records.view(torch.int8))
+    with pytest.raises(ValueError, match="records: on cpu, expected cuda:0"):
+        adapter.gather(0, engine.caches[0], records=records.cpu())
+    adapter.gather(0, engine.caches[0], records=records)      # (the view dropped at once)
+    adapter.gather(1, engine.caches[1], records=records)
+    adapter.close()
 
 
 def test_the_step_program_ordering_refuses_lazy_kernel_loading():

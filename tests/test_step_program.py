@@ -91,6 +91,17 @@ def _ring(mesh, d, depth, plan):
                  for _ in range(depth + 1))
 
 
+def _assert_every_signal_saw_the_synchronous_workspace(hooks, layers, plan, d) -> int:
+    """Each layer's signal saw the workspace of the synchronous path in every gathered row;
+    returns those rows' count."""
+    rows = d * plan.padded_tokens
+    assert sorted(hooks.workspaces) == list(range(LAYERS))
+    for l, sc in enumerate(layers):
+        want = dcp_scenario.expected_workspace(sc, seq_lens=HIST + QUERY, plan=plan)
+        np.testing.assert_array_equal(np.asarray(hooks.workspaces[l])[:rows], want, err_msg=f"layer {l}")
+    return rows
+
+
 @pytest.mark.parametrize("d, depth", [(1, 0), (2, 1), (1, 2), (2, 3)])     # every depth, both rank counts
 def test_the_step_program_gives_every_layer_its_synchronous_workspace_and_writes_every_cache(d, depth):
     mesh, layers, plan, arrays, chunks, caches = _step(d)
@@ -102,11 +113,8 @@ def test_the_step_program_gives_every_layer_its_synchronous_workspace_and_writes
         tuple(jnp.asarray(pe) for _, pe in chunks), arrays, depth=depth, mesh=mesh, layout=fmt.layout, hooks=hooks,
         implementation="xla")
     jax.block_until_ready(written)
-    rows = d * plan.padded_tokens
-    assert sorted(hooks.workspaces) == list(range(LAYERS))
+    rows = _assert_every_signal_saw_the_synchronous_workspace(hooks, layers, plan, d)
     for l, sc in enumerate(layers):
-        want = dcp_scenario.expected_workspace(sc, seq_lens=HIST + QUERY, plan=plan)
-        np.testing.assert_array_equal(np.asarray(hooks.workspaces[l])[:rows], want, err_msg=f"layer {l}")
         # the cache as the per-layer writer leaves it
         kv, pe = chunks[l]
         n = int(QUERY.sum())
@@ -117,6 +125,29 @@ def test_the_step_program_gives_every_layer_its_synchronous_workspace_and_writes
     for l in range(max(0, LAYERS - depth - 1), LAYERS):       # the ring ends with the last layers' workspaces
         np.testing.assert_array_equal(np.asarray(jnp.copy(ring[l % (depth + 1)]))[:rows],
                                       np.asarray(hooks.workspaces[l])[:rows])
+
+
+@pytest.mark.parametrize("d, depth", [(1, 0), (2, 1), (1, 2), (2, 3)])
+def test_a_gather_only_step_signals_each_layer_once_its_slot_holds_the_written_cache(d, depth):
+    """kv_c and k_pe None: the consumer writes each layer's chunk before its release (here, all
+    of them before the step), so the slot a layer's signal names holds exactly the synchronous
+    workspace; the program writes no cache and leaves the flags as the hooks set them."""
+    mesh, layers, plan, arrays, chunks, caches = _step(d)
+    fmt = formats.get("fp8_ds_mla")
+    n = int(QUERY.sum())
+    written = [full_ckv.write_records_dcp(cache, jnp.asarray(kv[:n]), jnp.asarray(pe[:n]), plan, sc.block_table,
+                                          mesh=mesh, format=fmt)
+               for cache, sc, (kv, pe) in zip(caches, layers, chunks)]
+    before = [np.asarray(c) for c in written]
+    hooks = CapturingHooks(depth)
+    ring, after, flags = dcp_step.step_program(
+        _ring(mesh, d, depth, plan), tuple(written), _flags(mesh), None, None, arrays, depth=depth, mesh=mesh,
+        layout=fmt.layout, hooks=hooks, implementation="xla")
+    jax.block_until_ready(after)
+    _assert_every_signal_saw_the_synchronous_workspace(hooks, layers, plan, d)
+    for l in range(LAYERS):
+        np.testing.assert_array_equal(np.asarray(jnp.copy(after[l])), before[l], err_msg=f"layer {l}'s cache")
+    np.testing.assert_array_equal(np.asarray(flags), np.zeros(LAYERS + 1, np.int32))
 
 
 @pytest.mark.parametrize("depth", [0, 2])
@@ -191,6 +222,48 @@ def test_the_step_program_orders_each_layer_behind_its_wait_and_copies_nothing(d
     assert hooks.wait_state[0] == hooks.signal_state[0] == LAYERS * d     # once per layer and device
 
 
+@pytest.mark.parametrize("d, depth", [(1, 0), (2, 0), (2, 2)])
+def test_a_gather_only_step_reads_each_cache_after_its_release_and_copies_nothing(d, depth):
+    """kv_c and k_pe None: every read of layer t's cache follows the wait that releases it
+    (layer t - depth's; none for the first depth layers), and its signal follows those reads and
+    precedes the next wait; no slot, cache or flag word is copied."""
+    mesh, layers, plan, arrays, chunks, caches = _step(d)
+    fmt = formats.get("fp8_ds_mla")
+    hooks = CountingHooks()
+    args = (_ring(mesh, d, depth, plan), tuple(caches), _flags(mesh), None, None, arrays)
+    kw = dict(depth=depth, mesh=mesh, layout=fmt.layout, hooks=hooks, implementation="xla")
+    hlo = dcp_step.step_program.lower(*args, **kw).compile().as_text()
+    moved = copies_of_at_least(hlo, min(caches[0].size // d, args[0][0].size))
+    assert not [c for c in moved if "dynamic-update-slice" not in c], moved
+    assert len(moved) <= (0 if d == 1 else LAYERS), moved
+    ins = entry_instructions(hlo)
+    above = functools.partial(ancestors, ins)
+
+    def calls(target, attr):
+        return {int(line.split(f"{attr} = ")[1].split(" ")[0]): name for name, (_, _, line) in ins.items()
+                if "custom-call(" in line and target in line}
+
+    waits, signals = calls("ckv_host_wait_flag", "flag"), calls("ckv_host_step_signal", "ready_event")
+    assert sorted(waits) == sorted(signals) == list(range(LAYERS))
+    assert not [n for n, (_, _, line) in ins.items() if f"s32[{LAYERS + 1}]" in line.split("=")[1] and " copy(" in line]
+    cache_params = {int(line.split('op_name="caches[')[1].split("]")[0]): n for n, (_, _, line) in ins.items()
+                    if "parameter(" in line and 'op_name="caches[' in line}
+    for t in range(LAYERS):
+        # (the program's result tuple returns the unwritten cache as it came)
+        readers = [n for n, (_, ops, line) in ins.items() if cache_params[t] in ops
+                   and "ckv_host" not in line and " bitcast(" not in line and " tuple(" not in line]
+        assert readers and all(n in above(signals[t]) for n in readers), (t, readers)
+        release = t - depth
+        if release >= 0:
+            assert all(waits[release] in above(n) for n in readers), (t, readers)
+            if release + 1 < LAYERS:
+                assert signals[t] in above(waits[release + 1])
+        else:
+            assert signals[t] in above(waits[0])
+    jax.block_until_ready(dcp_step.step_program(*args, **kw))
+    assert hooks.wait_state[0] == hooks.signal_state[0] == LAYERS * d
+
+
 def test_the_step_program_names_a_wrong_ring_chunk_or_flags():
     mesh, layers, plan, arrays, chunks, caches = _step(1)
     fmt = formats.get("fp8_ds_mla")
@@ -201,6 +274,10 @@ def test_the_step_program_names_a_wrong_ring_chunk_or_flags():
                                     **kw)
     with pytest.raises(ValueError, match=r"kv_c, k_pe: expected one chunk buffer pair or one per layer \(4\), got 2"):
         dcp_step.step_program.lower(_ring(mesh, 1, 1, plan), tuple(caches), _flags(mesh), kv * 2, pe * 2, arrays,
+                                    depth=1, **kw)
+    with pytest.raises(ValueError, match=r"kv_c, k_pe: expected both chunk buffers or both None \(the consumer "
+                                         r"writes the chunk\), got None and buffers"):
+        dcp_step.step_program.lower(_ring(mesh, 1, 1, plan), tuple(caches), _flags(mesh), None, pe, arrays,
                                     depth=1, **kw)
     with pytest.raises(ValueError, match=r"flags: expected int32\[5\] \(a word a layer and the abandon word\), "
                                          r"got uint32\[5\]"):
