@@ -299,10 +299,11 @@ class TorchCkvAdapter:
                              "(the program writes each in place)")
         if self._engine_writes:
             kv_c = k_pe = None
-            # pinned, so the copy does not wait for the host (torch's host allocator keeps the block
-            # until the copy ran)
-            rows = torch.from_numpy(dcp_step.chunk_rows(plan).astype(np.int64)).pin_memory()
-            self._patch_rows = rows.to(self.torch_device, non_blocking=True)
+            if self.orch.depth:         # (depth 0 gathers the written caches: no patch)
+                # pinned, so the copy does not wait for the host (torch's host allocator keeps
+                # the block until the copy ran)
+                rows = torch.from_numpy(dcp_step.chunk_rows(plan).astype(np.int64)).pin_memory()
+                self._patch_rows = rows.to(self.torch_device, non_blocking=True)
         else:
             kv_c, k_pe = (self._chunk_buffers[(t.dtype, t.shape[1])][1] for t in self.chunk_buffers())
         lane = self.orch.lane("target").lane
