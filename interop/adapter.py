@@ -158,7 +158,6 @@ class TorchCkvAdapter:
             raise ValueError(f"cache_writes: 'engine' is the step-program ordering's (the others take write_cache "
                              f"per gather), got ordering={ordering!r}")
         self.cache_writes = cache_writes
-        self._engine_writes = cache_writes == "engine"
         if ordering == "step-program" and (ubatches != 1 or speculative):
             raise ValueError(f"ordering: 'step-program' runs one lane, got ubatches={ubatches}, "
                              f"speculative={speculative}")
@@ -224,6 +223,11 @@ class TorchCkvAdapter:
                         "(host-bound, no prefetch overlap): %s", found.why)
             return None
         return stream_handoff.StreamEvents(self.torch_device, found.stream, native=native_signal)
+
+    @property
+    def _engine_writes(self) -> bool:
+        """cache_writes="engine": the engine writes the chunk, `gather` takes its records."""
+        return self.cache_writes == "engine"
 
     # -- planning --------------------------------------------------------------------------------
     @property

@@ -16,7 +16,8 @@ earlier runs used), or leaves it to the adapter (`adapter`: `gather(..., write_c
 writes it with ckv-jax's writer in the layer's program); the compute alone always has the
 engine's write.  With `--ordering step-program` an adapter's program either writes the caches
 (`adapter`) or only gathers (`engine`: the engine writes its caches and `gather` takes the
-chunk's records, which torch copies into the workspace, `TorchCkvAdapter(cache_writes=)`).  `--torch-marks before|after` records a timing event on torch's stream just
+chunk's records, which torch copies into the workspace, `TorchCkvAdapter(cache_writes=)`).
+`--torch-marks before|after` records a timing event on torch's stream just
 before or after each layer's compute in every variant, as an engine's own marks would: the
 hand-offs between the streams take a few microseconds more or less with such incidental
 commands.  Two kinds of

@@ -266,9 +266,9 @@ class StepFlags:
     `words` (torch int32[layers + 1] on the GPU): [l] layer l's flag, which torch's stream sets
     to 1 when the layer's latents are in the chunk buffers (or, where the engine writes the
     chunk, its cache write) and its reads of the slot the layer's prefetch overwrites are
-    queued (`release`); [layers] the abandon word.  The program takes
-    `words` itself, imported into JAX and donated (its `flags`), and passes it through every
-    wait: layer l's wait holds JAX's stream until its flag is 1 (native `cuStreamWaitValue32`,
+    queued (`release`); [layers] the abandon word.  The program takes `words` itself, imported
+    into JAX and donated (its `flags`), and passes it through every wait: layer l's wait holds
+    JAX's stream until its flag is 1 (native `cuStreamWaitValue32`,
     `interop.native_signal.wait_flag`), and the program reads the abandon word from it after
     the wait.  Layer l's signal records `events[l]`, which torch's stream waits on before
     reading the workspace (`torch_after`).
