@@ -59,16 +59,18 @@ while torch computes layer L.  Three ordering protocols, chosen once (`ordering`
   the device) cannot be rescued, so run every such library once before the first step.
   kv_c must be bf16, one lane only (no ubatches or speculative lanes).
   With `cache_writes="engine"` the engine writes each layer's cache itself and passes the
-  chunk's encoded records to `gather(l, kv_caches[l], records=...)`: the program only gathers,
-  and at depth > 0 torch patches the records into the layer's slot on its own stream after
-  waiting on the event of the slot's gather, which ran layers earlier.  No JAX work then lies
-  between a layer's cache write and its attention (the "adapter" mode puts the program's writer
-  kernel there, between the flag and the event); the engine's writer produces the records once
-  (e.g. into a [T, 1, R] buffer through slots 0..T-1) and the adapter copies them in 8-byte
-  words.  Measured at 262K on an H100 it still hides less than the "adapter" mode (80.6-81.8%
-  at depths 1-2, against 82.9-91.9%; BENCHMARKS.md, forty-second section): the flag's write
-  after the engine's write kernel holds torch's stream for longer than the whole hand-off after
-  a compute that writes nothing.
+  chunk's encoded records to `gather(l, kv_caches[l], records=...)`: the program only gathers.
+  At depth > 0 torch waits on the event of the slot's gather (which ran layers earlier),
+  patches the records into the slot on its own stream (one device copy a run of consecutive
+  rows, `contiguous_runs`: one with D = 1; one indexed copy of 8-byte words where they are more
+  than `MAX_PATCH_RUNS`), and only then releases the layer, on the flags' own stream
+  (`StepFlags` release_aside): the next gather does not compete with the patch, and the flag's
+  write does not hold torch's stream.  At depth 0 the release comes first (the layer's gather
+  waits for it).  No JAX work lies between a layer's cache write and its attention; the
+  engine's writer produces the records once (e.g. into a [T, 1, R] buffer through slots
+  0..T-1).  Measured at 262K on an H100 it hides 87.3-88.8% at depths 1-2 on both streams,
+  where the adapter's writer hides 84.9-85.1% on a side stream and 91.1-91.6% on the default
+  one (BENCHMARKS.md, forty-third section).
 
 The returned view is valid until its ring slot is reused (depth + 1 layers later, or the next
 step); drop it (and every view of it) before that, or the reuse raises (the pool never grows).
@@ -199,7 +201,10 @@ class TorchCkvAdapter:
         self._keepalive: list = []         # torch tensors JAX may still read this step
         self._host_slots = None            # DLPack path: this rank's cache slot of every chunk token
         self._topk_tables = None           # the step's `torch_topk.TopkTables`
-        self._patch_rows = None            # cache_writes="engine": int64[T], the chunk's workspace rows
+        # cache_writes="engine", depth > 0: how torch patches the chunk's records into a slot, as
+        # (token start, token end, first row) runs, or where they are many int64[T] rows on the GPU
+        self._patch_runs: list[tuple[int, int, int]] | None = None
+        self._patch_rows: torch.Tensor | None = None
         # cuda-events and step-program: the step's arrays in memory that stays put
         self._resident = resident_arrays.ResidentStepArrays(mesh, self.device, self.torch_device) \
             if self.events else None
@@ -208,7 +213,8 @@ class TorchCkvAdapter:
             self.step = step_runner.StepRunner(
                 self.events, mesh, depth=self.orch.depth, layout=self.fmt.layout,
                 implementation=self.orch.implementation, interpret=interpret,
-                prefetch_tiles=self.orch.prefetch_tiles, timeout_s=step_timeout_s)
+                prefetch_tiles=self.orch.prefetch_tiles, timeout_s=step_timeout_s,
+                release_aside=self._engine_writes)
 
     def _stream_events(self, ordering, native_signal):
         if ordering == "dlpack" or self.device.platform != "gpu" or not torch.cuda.is_available():
@@ -304,10 +310,15 @@ class TorchCkvAdapter:
         if self._engine_writes:
             kv_c = k_pe = None
             if self.orch.depth:         # (depth 0 gathers the written caches: no patch)
-                # pinned, so the copy does not wait for the host (torch's host allocator keeps
-                # the block until the copy ran)
-                rows = torch.from_numpy(dcp_step.chunk_rows(plan).astype(np.int64)).pin_memory()
-                self._patch_rows = rows.to(self.torch_device, non_blocking=True)
+                rows = dcp_step.chunk_rows(plan)
+                runs = contiguous_runs(rows)
+                if len(runs) <= MAX_PATCH_RUNS:
+                    self._patch_runs = runs
+                else:
+                    # pinned, so the copy does not wait for the host (torch's host allocator
+                    # keeps the block until the copy ran)
+                    rows = torch.from_numpy(rows.astype(np.int64)).pin_memory()
+                    self._patch_rows = rows.to(self.torch_device, non_blocking=True)
         else:
             kv_c, k_pe = (self._chunk_buffers[(t.dtype, t.shape[1])][1] for t in self.chunk_buffers())
         lane = self.orch.lane("target").lane
@@ -474,10 +485,10 @@ class TorchCkvAdapter:
         depth, lane_index = self.orch.depth, self.orch.lane(lane).lane
         if self._engine_writes:
             self._check_writable_after_release(layer_idx, lane_index)
-            self.step.release(layer_idx)
             slot = self.orch.pool.slot_tensor(lane_index, layer_idx % (depth + 1))
-            if depth:       # on torch's stream, which now waits for the slot's gather
-                _copy_rows(slot, self._patch_rows, records)
+            # at depth > 0 on torch's stream after the slot's gather, and before the release
+            patch = (lambda: self._patch(slot, records)) if depth else None
+            self.step.release(layer_idx, patch)
             return slot.detach()
         chunk, self._chunk = self._chunk, None
         if not self._chunk_marked:
@@ -487,6 +498,14 @@ class TorchCkvAdapter:
         self._check_writable_after_release(layer_idx, lane_index)
         self.step.release(layer_idx)
         return self.orch.pool.slot_tensor(lane_index, layer_idx % (depth + 1)).detach()
+
+    def _patch(self, slot: torch.Tensor, records: torch.Tensor):
+        """cache_writes="engine": the chunk's records into their rows of `slot`, on torch's stream."""
+        if self._patch_runs is None:
+            _copy_rows(slot, self._patch_rows, records)
+            return
+        for start, end, row in self._patch_runs:
+            slot[row:row + end - start].copy_(records[start:end])
 
     def _check_writable_after_release(self, layer_idx: int, lane_index: int):
         """step-program: the slot the program overwrites after layer `layer_idx`'s release, the
@@ -502,11 +521,12 @@ class TorchCkvAdapter:
                                "chunk itself and passes its records to gather(records=)")
 
     def _check_records(self, records):
-        want = f"uint8[{self.plan.num_tokens}, {self.fmt.record_bytes}] (the step's {self.fmt.name} chunk records)"
+        def want():
+            return f"uint8[{self.plan.num_tokens}, {self.fmt.record_bytes}] (the step's {self.fmt.name} chunk records)"
         if not isinstance(records, torch.Tensor):
-            raise TypeError(f"records: expected a torch.Tensor {want}, got {type(records).__name__}")
+            raise TypeError(f"records: expected a torch.Tensor {want()}, got {type(records).__name__}")
         if records.dtype != torch.uint8 or records.shape != (self.plan.num_tokens, self.fmt.record_bytes):
-            raise ValueError(f"records: expected {want}, got {records.dtype}{list(records.shape)}")
+            raise ValueError(f"records: expected {want()}, got {records.dtype}{list(records.shape)}")
         if records.device != self.torch_device:
             raise ValueError(f"records: on {records.device}, expected {self.torch_device} (the adapter's GPU)")
 
@@ -652,7 +672,7 @@ class TorchCkvAdapter:
         self._marked_chunk = None
         self._chunk = None
         self._topk_tables = None
-        self._patch_rows = None
+        self._patch_runs = self._patch_rows = None
 
 
 ORDERINGS = (None, "cuda-events", "dlpack", "step-program")
@@ -660,6 +680,23 @@ CACHE_WRITES = ("adapter", "engine")
 
 # the writer's latent dtypes (`ckv_jax.validation.KV_C_DTYPES`) as torch dtypes
 KV_C_DTYPES = tuple(getattr(torch, jnp.dtype(d).name) for d in validation.KV_C_DTYPES)
+
+
+# where the chunk's records fill at most this many runs of consecutive workspace rows (with D = 1
+# one: each request's chunk ends its rows, where the next request's begin), torch patches a slot
+# with one device copy a run: cheaper on the host and the GPU than one indexed copy of every row
+# (BENCHMARKS.md, forty-third section)
+MAX_PATCH_RUNS = 4
+
+
+def contiguous_runs(rows: np.ndarray) -> list[tuple[int, int, int]]:
+    """(start, end, row) for each maximal run of tokens start..end-1 whose rows are
+    row..row + end - start - 1, in token order; rows: int[T]."""
+    if len(rows) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts, ends = np.concatenate([[0], breaks]), np.concatenate([breaks, [len(rows)]])
+    return [(int(a), int(b), int(rows[a])) for a, b in zip(starts, ends)]
 
 
 def _copy_rows(workspace: torch.Tensor, rows: torch.Tensor, records: torch.Tensor):

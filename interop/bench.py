@@ -403,6 +403,13 @@ def _interleaved(work: Workload, adapters: dict, depths, compute, trials: int, w
     return compute_only, steps, host, begin, step_host
 
 
+def _check_step_program_writes(ordering, cache_writes):
+    """A step program's adapter is made for one writer: its program writes the caches or only gathers."""
+    if ordering == "step-program" and len(cache_writes) != 1:
+        raise ValueError("cache-writes: with ordering 'step-program' an adapter's program writes the caches or only "
+                         f"gathers; expected one writer, got {','.join(cache_writes)}")
+
+
 def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, prefetch_programs=None,
         chunk_in_place=True, mark_before_write=True, native_signal=True, indexer_pct=0.0,
         cache_writes=("engine",), engine_write="words", torch_marks="none", ordering=None) -> list[dict]:
@@ -414,6 +421,7 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
     adapters' (None: the adapter's default); gather_ms_per_layer is always measured with the
     cuda-events ordering's per-layer programs (a step program's layers have no dispatch of their
     own to put events around)."""
+    _check_step_program_writes(ordering, cache_writes)
     rows = []
     computes = {x: _with_marks(compute_kernels(x * (1 - indexer_pct / 100)), torch_marks) for x in compute_ms}
     indexers = {x: compute_kernels(x * indexer_pct / 100) if indexer_pct else None for x in compute_ms}
@@ -554,9 +562,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="interop.json", help="JSON results (default %(default)s)")
     args = ap.parse_args(argv)
     if args.ordering == "step-program":
-        if len(args.cache_writes) != 1:
-            print("--ordering step-program: an adapter's program writes the caches or only gathers; pass one "
-                  f"--cache-writes, got {','.join(args.cache_writes)}", file=sys.stderr)
+        try:
+            _check_step_program_writes(args.ordering, args.cache_writes)
+        except ValueError as e:
+            print(f"--{e}", file=sys.stderr)
             return 2
         # read when CUDA initializes, which nothing in this process did yet (the adapter checks)
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")

@@ -1,13 +1,14 @@
 """`TorchCkvAdapter`'s "step-program" ordering: a whole step's JAX work dispatched at
 `begin_step` as one program (`dcp_step.step_program`), each layer's part behind a flag torch
-raises (`stream_handoff.StepFlags`).  Per layer the host writes one word on torch's stream and
-makes torch's stream wait on one event: no JAX dispatch, import or export.  XLA executes the
-program thunk by thunk at its first dispatch and records it into a CUDA graph at the second; it
-replays the graph only while every buffer the program reads stays where it was.  Every input
-does: the caches, ring slots, chunk buffers and flags are torch memory imported once, and the
-step's arrays are refreshed in place (`interop.resident_arrays`); so a step shape's later steps
-replay, unless JAX allocated other buffers between them (`hooks_run` counts the hooks run on the
-host per step, 0 for a replay; BENCHMARKS.md, thirty-eighth section).
+raises (`stream_handoff.StepFlags`).  Per layer the host writes one word after torch's stream
+(on it, or on the flags' own stream after an event) and makes torch's stream wait on one event:
+no JAX dispatch, import or export.  XLA executes the program thunk by thunk at its first
+dispatch and records it into a CUDA graph at the second; it replays the graph only while every
+buffer the program reads stays where it was.  Every input does: the caches, ring slots, chunk
+buffers and flags are torch memory imported once, and the step's arrays are refreshed in place
+(`interop.resident_arrays`); so a step shape's later steps replay, unless JAX allocated other
+buffers between them (`hooks_run` counts the hooks run on the host per step, 0 for a replay;
+BENCHMARKS.md, thirty-eighth section).
 
 A program queued ahead makes any device-wide synchronization of the host (torch.cuda.synchronize,
 cudaFree when torch's allocator releases its cache, a kernel's lazy loading) wait for JAX's
@@ -61,7 +62,8 @@ class StepRunner:
     torch's stream after the layer's workspace; `abandon` releases whatever is left."""
 
     def __init__(self, events: stream_handoff.StreamEvents, mesh: jax.sharding.Mesh, *, depth: int,
-                 layout, implementation, interpret: bool, prefetch_tiles, timeout_s: float):
+                 layout, implementation, interpret: bool, prefetch_tiles, timeout_s: float,
+                 release_aside: bool = False):
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"step_timeout_s: expected a positive number of seconds, got {timeout_s!r}")
         mode = native_signal.module_loading_mode()
@@ -73,6 +75,7 @@ class StepRunner:
         self._program = dict(depth=depth, mesh=mesh, layout=layout, implementation=implementation,
                              interpret=interpret, prefetch_tiles=prefetch_tiles)
         self.timeout_s = float(timeout_s)
+        self.release_aside = release_aside
         self.flags: stream_handoff.StepFlags | None = None
         self._words = None                  # `flags.words` as the program's replicated argument
         self.hooks_run: list[int] = []      # per dispatch, the hooks whose handlers ran (0: a replay)
@@ -99,7 +102,8 @@ class StepRunner:
             self._abandon_locked(stream)
             if self.flags is None or self.flags.layers != len(caches):
                 self.flags = stream_handoff.StepFlags(self.events.device, self.events.jax_stream,
-                                                      self.events.jax_stream.cuda_stream, layers=len(caches))
+                                                      self.events.jax_stream.cuda_stream, layers=len(caches),
+                                                      release_aside=self.release_aside)
                 local = bridge.to_jax(self.flags.words, name="step flags", device=self.mesh.local_devices[0])
                 self._words = bridge.replicated_on(self.mesh, local)
             self.events.torch_after_jax(stream)        # the last program is done with the flags
@@ -120,15 +124,23 @@ class StepRunner:
         if why is not None:
             raise StepAbandoned(why)
 
-    def release(self, layer: int):
+    def release(self, layer: int, patch=None):
         """Hand layer `layer` to the program once torch's current stream reaches this point, and
-        order what torch queues from now on after the layer's workspace."""
+        order what torch queues from now on after the layer's workspace.  patch: None, or a
+        function that queues torch's writes into the layer's workspace; the release then follows
+        them (the program's next gather does not compete with them for memory bandwidth), which
+        needs the layer's gather released before (depth > 0)."""
         stream = self.events.torch_stream()
         with self._lock:
             if self._abandoned is not None:
                 raise StepAbandoned(self._abandoned)
-            self.flags.release(stream, layer)
-            self.flags.torch_after(stream, layer)
+            if patch is None:
+                self.flags.release(stream, layer)
+                self.flags.torch_after(stream, layer)
+            else:
+                self.flags.torch_after(stream, layer)
+                patch()
+                self.flags.release(stream, layer)
             self._stream, self._progress = stream, time.monotonic()
             if self.flags.released == self.flags.layers:
                 self._watchdog.disarm()

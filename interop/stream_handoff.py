@@ -282,6 +282,13 @@ class StepFlags:
     last step, nor one an abandonment set, releases a layer of the next step early.  A step left
     half-way must be released (`abandon`), or JAX's stream waits forever: the abandon word set
     first makes the rest of the program write nothing into the caches.
+    With `release_aside` torch's stream records an event where the flag is due, and a stream of
+    the flags' own waits on it and writes the flag: the write's memory barrier then holds that
+    stream instead of torch's, whose next kernels start at once.  That pays where torch's next
+    work does not wait for the program (an engine that writes its own caches: on an H100 its
+    layer boundary took 14.1 us instead of 22.0 on a side stream, the same on the default
+    stream); where it waits for the program's write after the flag, the extra hop lies on that
+    path (BENCHMARKS.md, forty-third section).
     Hashable by identity: the static `hooks` argument of the program.
 
     The hazard of a program queued ahead: while a step is not fully released, any device-wide
@@ -294,7 +301,8 @@ class StepFlags:
 
     name = "cuda-flags"
 
-    def __init__(self, device: torch.device, jax_stream: torch.cuda.ExternalStream, handle: int, *, layers: int):
+    def __init__(self, device: torch.device, jax_stream: torch.cuda.ExternalStream, handle: int, *, layers: int,
+                 release_aside: bool = False):
         loaded = native_signal.load()
         if loaded.library is None:
             raise RuntimeError(f"step flags need the native stream hooks: {loaded.why}")
@@ -302,6 +310,7 @@ class StepFlags:
             raise ValueError(f"layers: expected a positive number of layers, got {layers!r}")
         self.layers, self._handle = layers, handle
         self.words = torch.zeros(layers + 1, dtype=torch.int32, device=device)
+        self._words_at = self.words.data_ptr()
         self.events = [torch.cuda.Event() for _ in range(layers)]
         for event in self.events:
             event.record(jax_stream)                # created now: their handles go into the program
@@ -311,11 +320,24 @@ class StepFlags:
         self._memset = native_signal.memset_d32()
         self.wait_state, self.signal_state = native_signal.new_state(), native_signal.new_state()
         self.released = layers                      # layers of the current step released so far
+        # the driver's calls on the events' and streams' handles: a few us a layer less than torch's
+        record, wait = native_signal.driver_functions()
+        self._event_record = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(record)
+        self._stream_wait_event = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)(wait)
+        self._ready = [event.cuda_event for event in self.events]
+        self.release_aside = release_aside
+        if release_aside:
+            self._release_stream = torch.cuda.Stream(device=device)
+            self._release_handle = self._release_stream.cuda_stream
+            self._release_events = [torch.cuda.Event() for _ in range(layers)]
+            for event in self._release_events:
+                event.record(self._release_stream)      # created now; the objects own the handles
+            self._released_at = [event.cuda_event for event in self._release_events]
 
     # -- the program's hooks -----------------------------------------------------------------------
     def wait(self, layer: int, arrays: tuple, *, platform: str):
         return native_signal.wait_flag(arrays, platform=platform, wait_fn=self._wait_fn,
-                                       capturing_fn=self._capturing_fn, flag=self.words.data_ptr() + 4 * layer,
+                                       capturing_fn=self._capturing_fn, flag=self._words_at + 4 * layer,
                                        state=self.wait_state)
 
     def signal(self, layer: int, arrays: tuple, *, platform: str):
@@ -330,7 +352,9 @@ class StepFlags:
         if self.released != self.layers:
             raise RuntimeError(f"step flags: the last step released {self.released} of {self.layers} layers; "
                                "abandon it first")
-        rc = self._memset(self.words.data_ptr(), 0, self.layers + 1, ctypes.c_void_p(torch_stream.cuda_stream))
+        if self.release_aside:      # no late write of the last step may land after the zeroing
+            torch_stream.wait_stream(self._release_stream)
+        rc = self._memset(self._words_at, 0, self.layers + 1, ctypes.c_void_p(torch_stream.cuda_stream))
         if rc != 0:
             raise RuntimeError(f"cuMemsetD32Async failed with CUresult {rc}")
         self.released = 0
@@ -358,12 +382,18 @@ class StepFlags:
         """Layer `layer`'s part of the program runs once torch's stream reaches this point."""
         if layer != self.released:
             raise ValueError(f"layer: expected {self.released} (layers are released in order), got {layer}")
-        self._write_word(torch_stream, layer, 1)
+        if self.release_aside:
+            event = self._released_at[layer]
+            _check(self._event_record(event, torch_stream.cuda_stream), "cuEventRecord")
+            _check(self._stream_wait_event(self._release_handle, event, 0), "cuStreamWaitEvent")
+            self._write_word(self._release_handle, layer, 1)
+        else:
+            self._write_word(torch_stream.cuda_stream, layer, 1)
         self.released += 1
 
     def torch_after(self, torch_stream: torch.cuda.Stream, layer: int):
         """Work queued on `torch_stream` from now on runs after layer `layer`'s workspace is ready."""
-        torch_stream.wait_event(self.events[layer])
+        _check(self._stream_wait_event(torch_stream.cuda_stream, self._ready[layer], 0), "cuStreamWaitEvent")
 
     def abandon(self, torch_stream: torch.cuda.Stream):
         """Release the layers not yet released, after setting the abandon word: their part of the
@@ -372,12 +402,15 @@ class StepFlags:
         if self.released == self.layers:
             return
         native_signal.make_context_current(self.words.device.index)
-        self._write_word(torch_stream, self.layers, 1)
+        self._write_word(torch_stream.cuda_stream, self.layers, 1)
         for layer in range(self.released, self.layers):
-            self._write_word(torch_stream, layer, 1)
+            self._write_word(torch_stream.cuda_stream, layer, 1)
         self.released = self.layers
 
-    def _write_word(self, torch_stream: torch.cuda.Stream, index: int, value: int):
-        rc = self._write(ctypes.c_void_p(torch_stream.cuda_stream), self.words.data_ptr() + 4 * index, value, 0)
-        if rc != 0:
-            raise RuntimeError(f"cuStreamWriteValue32 failed with CUresult {rc}")
+    def _write_word(self, stream: int, index: int, value: int):
+        _check(self._write(stream, self._words_at + 4 * index, value, 0), "cuStreamWriteValue32")
+
+
+def _check(rc: int, what: str):
+    if rc != 0:
+        raise RuntimeError(f"{what} failed with CUresult {rc}")

@@ -392,3 +392,34 @@ def test_storage_use_count_sees_every_view():
     assert stream_handoff.storage_use_count(storage) == own + 1, "a view of a view still pins the slot"
     del sub
     assert stream_handoff.storage_use_count(storage) == own
+
+
+def test_contiguous_runs_cover_every_row_once_and_are_maximal():
+    """The engine's patch copies runs of consecutive workspace rows: from the runs, every token's
+    row is recovered, and no run continues into the next (that copy would be one too many)."""
+    from ckv_jax import dcp_step
+    from ckv_jax.dcp_layout import DcpLayout
+    from ckv_jax.step_plan import build_step_plan
+    from interop.adapter import contiguous_runs
+    rng = np.random.default_rng(7)
+    cases = [np.array([], np.int32), np.array([5], np.int32), rng.integers(0, 50, 40)]
+    for world_size, interleave in ((1, 1), (2, 1), (2, 16), (4, 4)):
+        hist = rng.integers(0, 300, 3)
+        q = rng.integers(1, 40, 3)
+        plan = build_step_plan(DcpLayout(world_size, interleave, 16), hist + q, q, max_num_seqs=3, max_tokens=4096,
+                               min_tokens=1, min_world_size=1)
+        cases.append(dcp_step.chunk_rows(plan))
+    for rows in cases:
+        runs = contiguous_runs(rows)
+        rebuilt = np.full(len(rows), -1, np.int64)
+        for start, end, row in runs:
+            assert 0 <= start < end <= len(rows)
+            rebuilt[start:end] = np.arange(row, row + end - start)
+        assert np.array_equal(rebuilt, rows), rows
+        if len(rows):               # consecutive runs in token order, none continuing into the next
+            assert [start for start, _, _ in runs] == [0] + [end for _, end, _ in runs[:-1]]
+        for (_, end, _), (_, _, next_row) in zip(runs, runs[1:]):
+            assert next_row != rows[end - 1] + 1
+    assert len(contiguous_runs(dcp_step.chunk_rows(build_step_plan(
+        DcpLayout(1, 1, 16), np.array([60, 30]), np.array([20, 30]), max_num_seqs=2, max_tokens=4096, min_tokens=1,
+        min_world_size=1)))) == 1   # D = 1: each request's chunk ends its rows, where the next request's begin

@@ -33,3 +33,13 @@ def test_marks_leave_the_kernels_as_they_are_when_none_and_name_the_choices_othe
     assert bench._with_marks(kernels, "none") is kernels
     with pytest.raises(ValueError, match=r"marks: expected one of \('none', 'before', 'after'\), got 'around'"):
         bench._with_marks(kernels, "around")
+
+
+
+def test_a_step_program_run_takes_one_cache_writer_and_says_so(capsys):
+    with pytest.raises(ValueError, match=r"cache-writes: with ordering 'step-program' .* expected one writer, got "
+                                         r"engine,adapter"):
+        bench.run([262144], 4096, 2, [0, 1], [1.0], ["sleep"], ["side"], 3, cache_writes=("engine", "adapter"),
+                  ordering="step-program")
+    assert bench.main(["--ordering", "step-program", "--cache-writes", "engine,adapter"]) == 2
+    assert capsys.readouterr().err.startswith("--cache-writes: with ordering 'step-program'")

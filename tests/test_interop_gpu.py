@@ -83,6 +83,25 @@ def _step_adapter(depth, **kw):
     return _adapter(depth, "step-program", **kw)
 
 
+def _begin_engine_step(adapter, engine, hist, q):
+    """begin_step of a step-program adapter on the engine's caches for one step shape: its plan."""
+    plan = engine.plan(hist, q, min_world_size=1)
+    assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu(),
+                              kv_caches=engine.caches)
+    return plan
+
+
+def _engine_writes_layer(engine, plan, layer, a, matmuls):
+    """The layer's latents behind `matmuls` long matmuls on `a`, encoded and written into the
+    engine's cache: (a, the chunk's records)."""
+    for _ in range(matmuls):
+        a = (a @ a).clamp_(-1, 1)
+    kv, pe = engine.chunk(plan.num_tokens)
+    records = torch_records.encode("fp8_ds_mla", kv, pe)
+    engine.write(layer, plan, kv, pe)
+    return a, records
+
+
 def _step_of(layers, timeout_s):
     """A one-GPU engine of `layers` layers, a step-program adapter of depth 1 and STEPS[0]:
     (engine, adapter, plan, begin_step's arguments without the caches)."""
@@ -614,9 +633,11 @@ def test_torch_records_on_cuda_are_the_library_encoding():
     np.testing.assert_array_equal(torch_records.encode(fmt.name, kv, pe).cpu().numpy(), want)
 
 
+@pytest.mark.parametrize("release_aside", [False, True])
 @pytest.mark.parametrize("depth", [0, 2])
-def test_a_step_program_behind_flags_is_exact_under_a_race_and_writes_nothing_once_abandoned(depth):
-    """`dcp_step.step_program` queued ahead with `StepFlags`: torch writes each layer's own
+def test_a_step_program_behind_flags_is_exact_under_a_race_and_writes_nothing_once_abandoned(depth, release_aside):
+    """`dcp_step.step_program` queued ahead with `StepFlags` (each flag written on torch's
+    stream, or on the flags' own stream after an event of torch's): torch writes each layer's own
     latents into the chunk buffers behind ~10 ms of sleep and only then raises the layer's flag;
     every workspace torch reads after the layer's event is the pre-step gather with those
     latents' records in the chunk rows.  Raising the flag before the latents (the control)
@@ -631,7 +652,8 @@ def test_a_step_program_behind_flags_is_exact_under_a_race_and_writes_nothing_on
     device = jax.devices()[0]
     stream = stream_handoff.probe(device).stream
     events = stream_handoff.StreamEvents(torch.device("cuda", 0), stream)
-    flags = stream_handoff.StepFlags(torch.device("cuda", 0), events.jax_stream, stream, layers=layers)
+    flags = stream_handoff.StepFlags(torch.device("cuda", 0), events.jax_stream, stream, layers=layers,
+                                     release_aside=release_aside)
     mesh = jax.make_mesh((1,), (placement.DCP_AXIS,), devices=[device])
     plan, fmt = work.plan, bench.FMT
 
@@ -769,15 +791,19 @@ def test_the_step_program_ordering_is_exact_in_every_order_and_replays(depth, st
     adapter.close()
 
 
-@pytest.mark.parametrize("depth", range(4))
+@pytest.mark.parametrize("depth, patch", [(d, "runs") for d in range(4)] + [(2, "indexed")])
 @pytest.mark.parametrize("stream", ["default", "side"])
-def test_a_step_program_whose_engine_writes_the_caches_is_exact_in_every_order_and_replays(depth, stream):
+def test_a_step_program_whose_engine_writes_the_caches_is_exact_in_every_order_and_replays(depth, patch, stream,
+                                                                                           monkeypatch):
     """cache_writes="engine": per layer the engine's latents come behind long matmuls, it encodes
     them and writes its cache (torch_records), reads the previous layer's workspace behind more
     matmuls, then calls gather with the records (freed at once, so the allocator hands their
     memory to the next layer's); every workspace read is the pure-JAX gather of the cache torch
     wrote.  Three rounds of two step shapes; from a shape's third step on XLA replays the
-    program."""
+    program.  torch patches the records in a copy per run of rows, or (`indexed`, where the runs
+    are many) in one indexed copy."""
+    if patch == "indexed":
+        monkeypatch.setattr(interop.adapter, "MAX_PATCH_RUNS", 0)
     layers = 4
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
     adapter = _step_adapter(depth, step_timeout_s=120, cache_writes="engine")
@@ -787,17 +813,11 @@ def test_a_step_program_whose_engine_writes_the_caches_is_exact_in_every_order_a
     written = []
     for round_ in range(3):
         for hist, q in STEPS:
-            plan = engine.plan(hist, q, min_world_size=1)
             got, caches, previous = [], [], None
             with torch.cuda.stream(torch_stream):
-                assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu(),
-                                          kv_caches=engine.caches)
+                plan = _begin_engine_step(adapter, engine, hist, q)
                 for layer in range(layers):
-                    for _ in range(4):
-                        a = (a @ a).clamp_(-1, 1)               # the latents come late
-                    kv, pe = engine.chunk(plan.num_tokens)
-                    records = torch_records.encode("fp8_ds_mla", kv, pe)
-                    engine.write(layer, plan, kv, pe)
+                    a, records = _engine_writes_layer(engine, plan, layer, a, matmuls=4)    # the latents come late
                     for _ in range(4):
                         a = (a @ a).clamp_(-1, 1)               # the read of the previous workspace comes late
                     if previous is not None:
@@ -809,6 +829,8 @@ def test_a_step_program_whose_engine_writes_the_caches_is_exact_in_every_order_a
                 got.append(previous[:adapter.rows].clone())
                 del previous
             written.append((f"depth {depth} {stream} round {round_} T {plan.num_tokens}", plan, got, caches))
+            if depth:
+                assert (adapter._patch_runs is None) == (patch == "indexed")
     torch_stream.synchronize()
     for what, plan, got, caches in written:
         for layer in range(layers):
@@ -817,6 +839,40 @@ def test_a_step_program_whose_engine_writes_the_caches_is_exact_in_every_order_a
     assert [c.data_ptr() for c in engine.caches] == pointers
     runs = adapter.step.hooks_run
     assert runs[:4] == [2 * layers] * 4 and 0 in runs[4:] and set(runs) <= {0, 2 * layers}, runs
+    adapter.close()
+
+
+@pytest.mark.parametrize("stream", ["default", "side"])
+def test_a_step_the_engine_abandons_half_way_leaves_the_next_exact(stream):
+    """cache_writes="engine" releases each layer on the flags' own stream after an event on
+    torch's: a step left after two of four layers, each released behind long matmuls, is
+    abandoned by the next begin_step; no late release of the left step may land after the next
+    step zeroed its flags (that step's layers would run before torch's writes), so every
+    workspace torch read, of the left steps' released layers and the next steps', is the
+    gather of the cache torch wrote."""
+    layers, depth = 4, 2
+    engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
+    adapter = _step_adapter(depth, step_timeout_s=120, cache_writes="engine")
+    assert adapter.step.release_aside
+    a = torch.randn(4096, 4096, device="cuda")
+    torch_stream = torch.cuda.Stream() if stream == "side" else torch.cuda.default_stream()
+    written = []
+    for round_ in range(3):
+        for released in (2, layers):
+            got, caches = [], []
+            with torch.cuda.stream(torch_stream):
+                plan = _begin_engine_step(adapter, engine, *STEPS[0])
+                for layer in range(released):
+                    a, records = _engine_writes_layer(engine, plan, layer, a, matmuls=6)    # the release comes late
+                    got.append(adapter.gather(layer, engine.caches[layer], records=records)[:adapter.rows].clone())
+                    caches.append(engine.caches[layer].clone())
+            written.append((f"{stream} round {round_}, {released} layers released", plan, got, caches))
+    torch_stream.synchronize()
+    assert len(written) == 6
+    for what, plan, got, caches in written:
+        for layer in range(len(got)):
+            np.testing.assert_array_equal(got[layer].cpu().numpy(), engine.gathered_now(caches[layer], plan),
+                                          err_msg=f"{what} layer {layer}")
     adapter.close()
 
 

@@ -108,13 +108,16 @@ def layer_phases(ks: list[dict]) -> list[dict]:
     the compute ends or during the cache write) started before the cache write did,
     `to_consumer` from the later end of the write and the patch (the write's end where there is no
     patch) to torch's next kernel (the consumer), `to_next` from there to the next compute, and
-    `total` compute end to next compute start.  Layers that do not follow the pattern (a compute
-    kernel not followed by two of torch's kernels) are skipped."""
+    `total` compute end to next compute start.  With the step program and the engine's writes
+    torch's own patch of the slot (a device-to-device memcpy) comes between the write and the
+    consumer, in `to_consumer`.  Layers that do not follow the pattern (a compute kernel not
+    followed by a write and a consumer on torch's stream) are skipped."""
     out = []
     for end, nxt, mine in _boundaries(ks):
-        if len(mine) < 2:
+        after_write = [k for k in mine[1:] if not k["name"].startswith("Memcpy")]
+        if not after_write:
             continue
-        write, consumer = mine[0], mine[1]
+        write, consumer = mine[0], after_write[0]
         write_end = write["start"] + write["dur"]
         patches = [k for k in ks if category(k["name"]) == "patch" and end <= k["start"] < write_end]
         patch = patches[0] if patches else None
@@ -244,7 +247,7 @@ def main(argv=None) -> int:
                     help="who writes each layer's cache: torch (the engine) or the adapter's gather (default %(default)s)")
     ap.add_argument("--ordering", choices=["cuda-events", "step-program"], default=None,
                     help="the adapter's ordering (default: the adapter's own; step-program needs "
-                         "--cache-write adapter and CUDA_MODULE_LOADING=EAGER)")
+                         "CUDA_MODULE_LOADING=EAGER, and with --cache-write engine only gathers)")
     ap.add_argument("--mark", choices=["before-write", "after-write"], default="before-write",
                     help="set_current_chunk before the layer's cache write or after it (default %(default)s)")
     args = ap.parse_args(argv)
@@ -258,8 +261,6 @@ def main(argv=None) -> int:
         return 0
     if not args.out:
         ap.error("--out is required to run a step")
-    if args.ordering == "step-program" and args.cache_write != "adapter":
-        ap.error("--ordering step-program: the step's program writes the caches; pass --cache-write adapter")
     sys.path.insert(0, os.path.abspath(args.code))
     import torch
     spec = importlib.util.spec_from_file_location("bench_workload", os.path.join(ROOT, "interop", "bench.py"))
