@@ -139,8 +139,10 @@ class StepRunner:
                 self.flags.torch_after(stream, layer)
             else:
                 self.flags.torch_after(stream, layer)
-                patch()
-                self.flags.release(stream, layer)
+                try:
+                    patch()
+                finally:        # a patch that raised still releases: JAX's stream must not wait for it
+                    self.flags.release(stream, layer)
             self._stream, self._progress = stream, time.monotonic()
             if self.flags.released == self.flags.layers:
                 self._watchdog.disarm()
