@@ -501,11 +501,7 @@ class TorchCkvAdapter:
 
     def _patch(self, slot: torch.Tensor, records: torch.Tensor):
         """cache_writes="engine": the chunk's records into their rows of `slot`, on torch's stream."""
-        if self._patch_runs is None:
-            _copy_rows(slot, self._patch_rows, records)
-            return
-        for start, end, row in self._patch_runs:
-            slot[row:row + end - start].copy_(records[start:end])
+        patch_chunk(slot, records, runs=self._patch_runs, rows=self._patch_rows)
 
     def _check_writable_after_release(self, layer_idx: int, lane_index: int):
         """step-program: the slot the program overwrites after layer `layer_idx`'s release, the
@@ -697,6 +693,17 @@ def contiguous_runs(rows: np.ndarray) -> list[tuple[int, int, int]]:
     breaks = np.flatnonzero(np.diff(rows) != 1) + 1
     starts, ends = np.concatenate([[0], breaks]), np.concatenate([breaks, [len(rows)]])
     return [(int(a), int(b), int(rows[a])) for a, b in zip(starts, ends)]
+
+
+def patch_chunk(workspace: torch.Tensor, records: torch.Tensor, *, runs=None, rows=None):
+    """workspace[rows[t]] = records[t] for every token t, on torch's current stream: one copy a
+    run of `contiguous_runs` where `runs` is given, else one indexed copy through `rows`
+    (int64[T] on the workspace's device)."""
+    if runs is None:
+        _copy_rows(workspace, rows, records)
+        return
+    for start, end, row in runs:
+        workspace[row:row + end - start].copy_(records[start:end])
 
 
 def _copy_rows(workspace: torch.Tensor, rows: torch.Tensor, records: torch.Tensor):

@@ -423,3 +423,27 @@ def test_contiguous_runs_cover_every_row_once_and_are_maximal():
     assert len(contiguous_runs(dcp_step.chunk_rows(build_step_plan(
         DcpLayout(1, 1, 16), np.array([60, 30]), np.array([20, 30]), max_num_seqs=2, max_tokens=4096, min_tokens=1,
         min_world_size=1)))) == 1   # D = 1: each request's chunk ends its rows, where the next request's begin
+
+
+@pytest.mark.parametrize("world_size, interleave", [(1, 1), (2, 1), (2, 16)])
+def test_the_engines_patch_writes_every_chunk_row_and_nothing_else_by_runs_or_indexed(world_size, interleave):
+    """The engine mode's patch of a slot (`patch_chunk`), by runs and by one indexed copy, on a
+    poisoned workspace: each chunk row holds its token's record, every other row its poison."""
+    from ckv_jax import dcp_step
+    from ckv_jax.dcp_layout import DcpLayout
+    from ckv_jax.step_plan import build_step_plan
+    from interop.adapter import contiguous_runs, patch_chunk
+    rng = np.random.default_rng(world_size * 100 + interleave)
+    q = rng.integers(1, 40, 3)
+    plan = build_step_plan(DcpLayout(world_size, interleave, 16), rng.integers(0, 300, 3) + q, q, max_num_seqs=3,
+                           max_tokens=4096, min_tokens=1, min_world_size=1)
+    rows = dcp_step.chunk_rows(plan)
+    records = rng.integers(0, 256, (plan.num_tokens, 656), dtype=np.uint8)
+    poison = rng.integers(0, 256, (world_size * plan.padded_tokens, 656), dtype=np.uint8)   # rank-major
+    want = poison.copy()
+    want[rows] = records
+    for how in ("runs", "indexed"):
+        workspace = torch.from_numpy(poison.copy())
+        kw = dict(runs=contiguous_runs(rows)) if how == "runs" else dict(rows=torch.from_numpy(rows.astype(np.int64)))
+        patch_chunk(workspace, torch.from_numpy(records), **kw)
+        np.testing.assert_array_equal(workspace.numpy(), want, err_msg=how)
