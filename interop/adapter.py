@@ -487,7 +487,8 @@ class TorchCkvAdapter:
             self._check_writable_after_release(layer_idx, lane_index)
             slot = self.orch.pool.slot_tensor(lane_index, layer_idx % (depth + 1))
             # at depth > 0 on torch's stream after the slot's gather, and before the release
-            patch = (lambda: self._patch(slot, records)) if depth else None
+            patch = (lambda: patch_chunk(slot, records, runs=self._patch_runs, rows=self._patch_rows)) if depth \
+                else None
             self.step.release(layer_idx, patch)
             return slot.detach()
         chunk, self._chunk = self._chunk, None
@@ -498,10 +499,6 @@ class TorchCkvAdapter:
         self._check_writable_after_release(layer_idx, lane_index)
         self.step.release(layer_idx)
         return self.orch.pool.slot_tensor(lane_index, layer_idx % (depth + 1)).detach()
-
-    def _patch(self, slot: torch.Tensor, records: torch.Tensor):
-        """cache_writes="engine": the chunk's records into their rows of `slot`, on torch's stream."""
-        patch_chunk(slot, records, runs=self._patch_runs, rows=self._patch_rows)
 
     def _check_writable_after_release(self, layer_idx: int, lane_index: int):
         """step-program: the slot the program overwrites after layer `layer_idx`'s release, the

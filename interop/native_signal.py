@@ -203,6 +203,13 @@ def memset_d32():
     return _driver_function("cuMemsetD32Async", (ctypes.c_uint64, ctypes.c_uint32, ctypes.c_size_t, ctypes.c_void_p))
 
 
+def event_functions():
+    """The CUDA driver's cuEventRecord(event, stream) and cuStreamWaitEvent(stream, event, flags)
+    as ctypes functions, for calls from Python on raw handles (the runtime's)."""
+    return (_driver_function("cuEventRecord", (ctypes.c_void_p, ctypes.c_void_p)),
+            _driver_function("cuStreamWaitEvent", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)))
+
+
 def driver_functions() -> tuple[int, int]:
     """The addresses of the CUDA driver's cuEventRecord and cuStreamWaitEvent (their event and
     stream handles are the runtime's)."""

@@ -25,7 +25,6 @@ overwrite a ring slot that a caller still holds.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import logging
@@ -321,9 +320,7 @@ class StepFlags:
         self.wait_state, self.signal_state = native_signal.new_state(), native_signal.new_state()
         self.released = layers                      # layers of the current step released so far
         # the driver's calls on the events' and streams' handles: a few us a layer less than torch's
-        record, wait = native_signal.driver_functions()
-        self._event_record = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(record)
-        self._stream_wait_event = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)(wait)
+        self._event_record, self._stream_wait_event = native_signal.event_functions()
         self._ready = [event.cuda_event for event in self.events]
         self.release_aside = release_aside
         if release_aside:
@@ -354,9 +351,7 @@ class StepFlags:
                                "abandon it first")
         if self.release_aside:      # no late write of the last step may land after the zeroing
             torch_stream.wait_stream(self._release_stream)
-        rc = self._memset(self._words_at, 0, self.layers + 1, ctypes.c_void_p(torch_stream.cuda_stream))
-        if rc != 0:
-            raise RuntimeError(f"cuMemsetD32Async failed with CUresult {rc}")
+        _check(self._memset(self._words_at, 0, self.layers + 1, torch_stream.cuda_stream), "cuMemsetD32Async")
         self.released = 0
 
     def dispatched(self) -> int:

@@ -83,7 +83,7 @@ def _step_adapter(depth, **kw):
     return _adapter(depth, "step-program", **kw)
 
 
-def _begin_engine_step(adapter, engine, hist, q):
+def _begin_step_program(adapter, engine, hist, q):
     """begin_step of a step-program adapter on the engine's caches for one step shape: its plan."""
     plan = engine.plan(hist, q, min_world_size=1)
     assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu(),
@@ -773,10 +773,8 @@ def test_the_step_program_ordering_is_exact_in_every_order_and_replays(depth, st
     written = []
     for round_ in range(3):
         for hist, q in STEPS:
-            plan = ours.plan(hist, q, min_world_size=1)
             with torch.cuda.stream(torch_stream):
-                assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), ours.block_table.cpu(),
-                                          kv_caches=ours.caches)
+                plan = _begin_step_program(adapter, ours, hist, q)
                 got, caches, want, a = _written_step(adapter, ours, theirs, plan, a, copied={0})
             written.append((f"depth {depth} {stream} round {round_} T {plan.num_tokens}", plan, got, caches, want))
     torch_stream.synchronize()          # (the checks' JAX gathers once every step is done, none between steps)
@@ -815,7 +813,7 @@ def test_a_step_program_whose_engine_writes_the_caches_is_exact_in_every_order_a
         for hist, q in STEPS:
             got, caches, previous = [], [], None
             with torch.cuda.stream(torch_stream):
-                plan = _begin_engine_step(adapter, engine, hist, q)
+                plan = _begin_step_program(adapter, engine, hist, q)
                 for layer in range(layers):
                     a, records = _engine_writes_layer(engine, plan, layer, a, matmuls=4)    # the latents come late
                     for _ in range(4):
@@ -861,7 +859,7 @@ def test_a_step_the_engine_abandons_half_way_leaves_the_next_exact(stream):
         for released in (2, layers):
             got, caches = [], []
             with torch.cuda.stream(torch_stream):
-                plan = _begin_engine_step(adapter, engine, *STEPS[0])
+                plan = _begin_step_program(adapter, engine, *STEPS[0])
                 for layer in range(released):
                     a, records = _engine_writes_layer(engine, plan, layer, a, matmuls=6)    # the release comes late
                     got.append(adapter.gather(layer, engine.caches[layer], records=records)[:adapter.rows].clone())
