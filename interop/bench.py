@@ -43,6 +43,10 @@ case).  Per row:
                        of the depth-0 step's exposed gather time that depth N hides; above 100
                        (marked * in the printed table) a depth-N step ran faster than the compute
                        alone, so the baseline moved by more than what is left exposed
+  exposed_us_per_layer 1000 * (step_N - compute_only) / layers: what a depth-N step adds to the
+                       compute alone, per layer.  hidden_pct divides by depth 0's exposed
+                       time, so it moves with that step too (a slower depth 0 raises it with no
+                       depth N faster); this figure does not, and compares across runs
   host_us_per_layer    host wall time of one layer's `set_current_chunk` + `gather` (median)
   step_host_us_per_layer  host wall time of a step's `begin_step` and every layer's calls, per
                        layer (median over trials): with `--ordering step-program` begin_step
@@ -473,6 +477,7 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
                     exposed0 = by_depth[min(depths)] - alone
                     for r in rows[-len(depths):]:
                         r["hidden_pct"] = 100 * (1 - (r["step_ms"] - alone) / exposed0)
+                        r["exposed_us_per_layer"] = 1e3 * (r["step_ms"] - alone) / layers
                     print(_line(rows[-len(depths):]), flush=True)
         for a in adapters.values():
             a.close()
@@ -483,13 +488,13 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
 
 HEADER = (f"{'kind':>6} {'stream':>7} {'writer':>7} {'history':>8} {'X ms':>6} {'gather ms':>9} "
           f"{'compute ms (spread %)':>21} "
-          f"{'depth: step ms (hidden %, host us/layer, spread %)  host probe jax/torch'}")
+          f"{'depth: step ms (hidden %, exposed us/layer, host us/layer, spread %)  host probe jax/torch'}")
 
 
 def _line(rows) -> str:
     r0 = rows[0]
     cells = "  ".join(f"d{r['depth']} {r['step_ms']:7.2f} ({r['hidden_pct']:5.1f}%{'*' * (r['hidden_pct'] > 100)}, "
-                      f"{r['host_us_per_layer']:4.0f}, {r['spread_pct']:.1f}"
+                      f"{r['exposed_us_per_layer']:5.1f}, {r['host_us_per_layer']:4.0f}, {r['spread_pct']:.1f}"
                       f"{'' if r['replayed_steps'] is None else ', replayed ' + r['replayed_steps']})" for r in rows)
     return (f"{r0['compute_kind']:>6} {r0['torch_stream']:>7} {r0['cache_write']:>7} {r0['history']:>8} "
             f"{r0['compute_ms_per_layer']:6.2f} "
