@@ -16,7 +16,7 @@ import interop
 from ckv_jax import dcp_step, formats, full_ckv, placement
 from ckv_jax.prefetch_config import GatherConfig
 from helpers import copies_of_at_least
-from interop import torch_records
+from interop import bench, torch_records
 from torch_engine_sim import STEPS, TorchEngine
 
 pytestmark = pytest.mark.gpu
@@ -166,7 +166,7 @@ def test_caches_the_engine_reallocates_are_gathered_from_the_new_memory(stream):
     layers = 4
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
     adapter = _adapter(2, "cuda-events")
-    torch_stream = torch.cuda.Stream() if stream == "side" else torch.cuda.default_stream()
+    torch_stream = bench.torch_stream(stream)
     steps = STEPS + STEPS + STEPS[-1:]
     with torch.cuda.stream(torch_stream):
         for i, (hist, q) in enumerate(steps):
@@ -203,7 +203,7 @@ def _assert_gathered(engine, plan, torch_stream, got, want, what: str):
 def _two_rounds_of_steps(engine, stream):
     """(torch stream, plan, hist, q) for STEPS twice, run inside torch's `stream` ("default" or
     "side"): the first round discovers the caches, the second prefetches."""
-    torch_stream = torch.cuda.Stream() if stream == "side" else torch.cuda.default_stream()
+    torch_stream = bench.torch_stream(stream)
     with torch.cuda.stream(torch_stream):
         for _ in range(2):
             for hist, q in STEPS:
@@ -645,7 +645,7 @@ def test_a_step_program_behind_flags_is_exact_under_a_race_and_writes_nothing_on
     abandoned after layer 0 leaves the later caches' bytes untouched.  XLA runs the program's
     first dispatch thunk by thunk, records the second into a CUDA graph and replays it from the
     third: the exact steps cover a recording and replays."""
-    from interop import bench, bridge, stream_handoff
+    from interop import bridge, stream_handoff
     from jax.sharding import NamedSharding, PartitionSpec as P
     layers, rows_per_layer = 3, 512
     work = bench.Workload(8192, rows_per_layer, layers, cache_write="adapter")
@@ -769,7 +769,7 @@ def test_the_step_program_ordering_is_exact_in_every_order_and_replays(depth, st
     assert adapter.ordering == "step-program"
     pointers = [c.data_ptr() for c in ours.caches]
     a = torch.randn(4096, 4096, device="cuda")
-    torch_stream = torch.cuda.Stream() if stream == "side" else torch.cuda.default_stream()
+    torch_stream = bench.torch_stream(stream)
     written = []
     for round_ in range(3):
         for hist, q in STEPS:
@@ -807,7 +807,7 @@ def test_a_step_program_whose_engine_writes_the_caches_is_exact_in_every_order_a
     adapter = _step_adapter(depth, step_timeout_s=120, cache_writes="engine")
     pointers = [c.data_ptr() for c in engine.caches]
     a = torch.randn(4096, 4096, device="cuda")
-    torch_stream = torch.cuda.Stream() if stream == "side" else torch.cuda.default_stream()
+    torch_stream = bench.torch_stream(stream)
     written = []
     for round_ in range(3):
         for hist, q in STEPS:
@@ -853,7 +853,7 @@ def test_a_step_the_engine_abandons_half_way_leaves_the_next_exact(stream):
     adapter = _step_adapter(depth, step_timeout_s=120, cache_writes="engine")
     assert adapter.step.release_aside
     a = torch.randn(4096, 4096, device="cuda")
-    torch_stream = torch.cuda.Stream() if stream == "side" else torch.cuda.default_stream()
+    torch_stream = bench.torch_stream(stream)
     written = []
     for round_ in range(3):
         for released in (2, layers):
