@@ -634,17 +634,25 @@ def test_torch_records_on_cuda_are_the_library_encoding():
 
 
 @pytest.mark.parametrize("release_aside", [False, True])
+@pytest.mark.parametrize("stream", ["default", "side"])
 @pytest.mark.parametrize("depth", [0, 2])
-def test_a_step_program_behind_flags_is_exact_under_a_race_and_writes_nothing_once_abandoned(depth, release_aside):
+def test_a_step_program_behind_flags_is_exact_under_a_race_and_writes_nothing_once_abandoned(depth, stream,
+                                                                                           release_aside):
     """`dcp_step.step_program` queued ahead with `StepFlags` (each flag written on torch's
-    stream, or on the flags' own stream after an event of torch's): torch writes each layer's own
-    latents into the chunk buffers behind ~10 ms of sleep and only then raises the layer's flag;
+    stream, or on the flags' own stream after an event of torch's; torch on its default or a
+    side stream): torch writes each layer's own latents into the chunk buffers behind ~10 ms of
+    sleep and only then raises the layer's flag;
     every workspace torch reads after the layer's event is the pre-step gather with those
     latents' records in the chunk rows.  Raising the flag before the latents (the control)
     must differ, and a step abandoned before its program ran must leave no flag raised.  A step
     abandoned after layer 0 leaves the later caches' bytes untouched.  XLA runs the program's
     first dispatch thunk by thunk, records the second into a CUDA graph and replays it from the
     third: the exact steps cover a recording and replays."""
+    with torch.cuda.stream(bench.torch_stream(stream)):
+        _flags_race_and_abandon(depth, release_aside)
+
+
+def _flags_race_and_abandon(depth, release_aside):
     from interop import bridge, stream_handoff
     from jax.sharding import NamedSharding, PartitionSpec as P
     layers, rows_per_layer = 3, 512
