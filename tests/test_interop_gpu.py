@@ -641,13 +641,13 @@ def test_a_step_program_behind_flags_is_exact_under_a_race_and_writes_nothing_on
     """`dcp_step.step_program` queued ahead with `StepFlags` (each flag written on torch's
     stream, or on the flags' own stream after an event of torch's; torch on its default or a
     side stream): torch writes each layer's own latents into the chunk buffers behind ~10 ms of
-    sleep and only then raises the layer's flag;
-    every workspace torch reads after the layer's event is the pre-step gather with those
-    latents' records in the chunk rows.  Raising the flag before the latents (the control)
-    must differ, and a step abandoned before its program ran must leave no flag raised.  A step
-    abandoned after layer 0 leaves the later caches' bytes untouched.  XLA runs the program's
-    first dispatch thunk by thunk, records the second into a CUDA graph and replays it from the
-    third: the exact steps cover a recording and replays."""
+    sleep and only then raises the layer's flag; every workspace torch reads after the layer's
+    event is the pre-step gather with those latents' records in the chunk rows.  Raising the
+    flag before the latents (the control) must differ, and a step abandoned before its program
+    ran must leave no flag raised.  A step abandoned after layer 0 leaves the later caches'
+    bytes untouched.  XLA runs the program's first dispatch thunk by thunk, records the second
+    into a CUDA graph and replays it from the third: the exact steps cover a recording and
+    replays."""
     with torch.cuda.stream(bench.torch_stream(stream)):
         _flags_race_and_abandon(depth, release_aside)
 
