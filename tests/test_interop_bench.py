@@ -37,7 +37,6 @@ def test_marks_leave_the_kernels_as_they_are_when_none_and_name_the_choices_othe
         bench._with_marks(kernels, "around")
 
 
-
 def test_a_step_program_run_takes_one_cache_writer_and_says_so(capsys):
     with pytest.raises(ValueError, match=r"cache-writes: with ordering 'step-program' .* expected one writer, got "
                                          r"engine,adapter"):
