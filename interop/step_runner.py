@@ -182,7 +182,7 @@ class StepRunner:
 
 class _Watchdog:
     """A daemon thread that calls `on_stall` once `timeout_s` passed since the last `arm`
-    without a `disarm`."""
+    without a `disarm`; it sleeps at most `timeout_s` at a time, armed or not."""
 
     def __init__(self, on_stall, timeout_s: float):
         self._on_stall, self._timeout_s = on_stall, timeout_s
@@ -191,13 +191,14 @@ class _Watchdog:
         self._thread: threading.Thread | None = None
 
     def arm(self):
+        # no notify: the thread went to sleep before this call for at most `timeout_s`, so it
+        # wakes before the deadline anyway; waking it now would make it take the GIL from the
+        # caller's next calls (the step's first layer; BENCHMARKS.md, forty-sixth section)
         with self._cond:
-            idle, self._deadline = self._deadline is None, time.monotonic() + self._timeout_s
+            self._deadline = time.monotonic() + self._timeout_s
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ckv-jax step watchdog", daemon=True)
                 self._thread.start()
-            if idle:            # (an armed thread wakes at the earlier deadline and waits on: no switch per layer)
-                self._cond.notify()
 
     def disarm(self):
         with self._cond:
@@ -215,7 +216,7 @@ class _Watchdog:
         with self._cond:
             while self._thread is me:
                 if self._deadline is None:
-                    self._cond.wait()
+                    self._cond.wait(self._timeout_s)
                     continue
                 left = self._deadline - time.monotonic()
                 if left > 0:

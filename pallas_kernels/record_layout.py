@@ -7,6 +7,7 @@ the encodings, `float_codes` the bit-level codecs they use.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 
@@ -41,7 +42,8 @@ class RecordLayout:
     def num_blocks(self) -> int:
         return self.nope_dim // self.quant_block if self.quant_block else 0
 
-    @property
+    # computed once per layout: the adapter asks for record_bytes in each layer's checks
+    @functools.cached_property
     def segments(self) -> tuple[Segment, ...]:
         rope_bytes = 2 * self.rope_dim
         if self.kind == "fp8_tiles":
@@ -59,7 +61,7 @@ class RecordLayout:
                 offset += width
         return tuple(out)
 
-    @property
+    @functools.cached_property
     def record_bytes(self) -> int:
         last = self.segments[-1]
         return last.offset + last.width
