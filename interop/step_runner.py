@@ -192,8 +192,9 @@ class _Watchdog:
 
     def arm(self):
         # no notify: the thread went to sleep before this call for at most `timeout_s`, so it
-        # wakes before the deadline anyway; waking it now would make it take the GIL from the
-        # caller's next calls (the step's first layer; BENCHMARKS.md, forty-sixth section)
+        # wakes before the deadline anyway; woken now, it would take the GIL from the caller's
+        # next calls, the step's first layer (5 us on a CPU machine; BENCHMARKS.md, forty-sixth
+        # section)
         with self._cond:
             self._deadline = time.monotonic() + self._timeout_s
             if self._thread is None:
