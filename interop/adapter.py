@@ -62,8 +62,8 @@ while torch computes layer L.  Three ordering protocols, chosen once (`ordering`
   chunk's encoded records to `gather(l, kv_caches[l], records=...)`: the program only gathers.
   At depth > 0 torch waits on the event of the slot's gather (which ran layers earlier),
   patches the records into the slot on its own stream (one device copy a run of consecutive
-  rows, `contiguous_runs`: one with D = 1; one indexed copy of 8-byte words where they are more
-  than `MAX_PATCH_RUNS`), and only then releases the layer, on the flags' own stream
+  rows, `contiguous_runs`, queued through the driver: one with D = 1; one indexed copy of 8-byte
+  words where they are more than `MAX_PATCH_RUNS`), and only then releases the layer, on the flags' own stream
   (`StepFlags` release_aside): the next gather does not compete with the patch, and the flag's
   write does not hold torch's stream.  At depth 0 the release comes first (the layer's gather
   waits for it).  No JAX work lies between a layer's cache write and its attention; the
@@ -89,7 +89,7 @@ from ckv_jax.dcp_layout import DcpLayout
 from ckv_jax.prefetch import PrefetchOrchestrator, WorkspacePool, slot_still_referenced
 from ckv_jax.prefetch_config import GatherConfig
 from ckv_jax.step_plan import build_step_plan
-from interop import bridge, resident_arrays, step_runner, stream_handoff, torch_records, torch_topk
+from interop import bridge, native_signal, resident_arrays, step_runner, stream_handoff, torch_records, torch_topk
 
 log = logging.getLogger("ckv_jax.interop")
 
@@ -205,6 +205,7 @@ class TorchCkvAdapter:
         # (token start, token end, first row) runs, or where they are many int64[T] rows on the GPU
         self._patch_runs: list[tuple[int, int, int]] | None = None
         self._patch_rows: torch.Tensor | None = None
+        self._device_copy = None           # cache_writes="engine": the driver's device copy, for the runs
         # cuda-events and step-program: the step's arrays in memory that stays put
         self._resident = resident_arrays.ResidentStepArrays(mesh, self.device, self.torch_device) \
             if self.events else None
@@ -314,6 +315,8 @@ class TorchCkvAdapter:
                 runs = contiguous_runs(rows)
                 if len(runs) <= MAX_PATCH_RUNS:
                     self._patch_runs = runs
+                    if self._device_copy is None:
+                        self._device_copy = native_signal.memcpy_dtod()
                 else:
                     # pinned, so the copy does not wait for the host (torch's host allocator
                     # keeps the block until the copy ran)
@@ -487,7 +490,8 @@ class TorchCkvAdapter:
             self._check_writable_after_release(layer_idx, lane_index)
             slot = self.orch.pool.slot_tensor(lane_index, layer_idx % (depth + 1))
             # at depth > 0 on torch's stream after the slot's gather, and before the release
-            patch = (lambda: patch_chunk(slot, records, runs=self._patch_runs, rows=self._patch_rows)) if depth \
+            patch = (lambda stream: patch_chunk(slot, records, runs=self._patch_runs, rows=self._patch_rows,
+                                                device_copy=self._device_copy, stream=stream.cuda_stream)) if depth \
                 else None
             self.step.release(layer_idx, patch)
             return slot.detach()
@@ -692,15 +696,39 @@ def contiguous_runs(rows: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(a), int(b), int(rows[a])) for a, b in zip(starts, ends)]
 
 
-def patch_chunk(workspace: torch.Tensor, records: torch.Tensor, *, runs=None, rows=None):
+def patch_chunk(workspace: torch.Tensor, records: torch.Tensor, *, runs=None, rows=None, device_copy=None,
+                stream: int | None = None):
     """workspace[rows[t]] = records[t] for every token t, on torch's current stream: one copy a
     run of `contiguous_runs` where `runs` is given, else one indexed copy through `rows`
-    (int64[T] on the workspace's device)."""
+    (int64[T] on the workspace's device).
+    device_copy, stream: the driver's cuMemcpyDtoDAsync (`native_signal.memcpy_dtod`) and the
+    handle of torch's current stream.  Where both are given and both tensors are contiguous, of
+    one dtype and row width, each run is queued through the driver on `stream`: the device copy
+    torch's `copy_` queues, without its dispatch (BENCHMARKS.md, forty-ninth section).  Each run
+    is checked against both tensors' rows first."""
     if runs is None:
         _copy_rows(workspace, rows, records)
         return
+    if device_copy is not None and stream is not None and records.device == workspace.device \
+            and records.dtype == workspace.dtype and records.shape[1:] == workspace.shape[1:] \
+            and records.is_contiguous() and workspace.is_contiguous():
+        _device_copy_runs(workspace, records, runs, device_copy, stream)
+        return
     for start, end, row in runs:
         workspace[row:row + end - start].copy_(records[start:end])
+
+
+def _device_copy_runs(workspace: torch.Tensor, records: torch.Tensor, runs, device_copy, stream: int):
+    tokens, rows = records.shape[0], workspace.shape[0]
+    for start, end, row in runs:        # all checked before any is queued
+        if not (0 <= start < end <= tokens and 0 <= row and row + end - start <= rows):
+            raise ValueError(f"runs: ({start}, {end}, {row}) reaches past the records' {tokens} rows or the "
+                             f"workspace's {rows}")
+    width = records.stride(0) * records.element_size()         # bytes a row
+    into, of = workspace.data_ptr(), records.data_ptr()
+    for start, end, row in runs:
+        native_signal.check_result(device_copy(into + row * width, of + start * width, (end - start) * width,
+                                                stream), "cuMemcpyDtoDAsync")
 
 
 def _copy_rows(workspace: torch.Tensor, rows: torch.Tensor, records: torch.Tensor):

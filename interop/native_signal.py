@@ -203,6 +203,19 @@ def memset_d32():
     return _driver_function("cuMemsetD32Async", (ctypes.c_uint64, ctypes.c_uint32, ctypes.c_size_t, ctypes.c_void_p))
 
 
+def check_result(rc: int, what: str):
+    """Raise where a driver call `what` returned a CUresult other than CUDA_SUCCESS."""
+    if rc != 0:
+        raise RuntimeError(f"{what} failed with CUresult {rc}")
+
+
+def memcpy_dtod():
+    """The CUDA driver's cuMemcpyDtoDAsync(destination, source, bytes, stream) (its _v2 form, of
+    64-bit device addresses) as a ctypes function."""
+    address, = _driver_addresses(("cuMemcpyDtoDAsync",), v2=True)
+    return ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)(address)
+
+
 def event_functions():
     """The CUDA driver's cuEventRecord(event, stream) and cuStreamWaitEvent(stream, event, flags)
     as ctypes functions, for calls from Python on raw handles (the runtime's)."""

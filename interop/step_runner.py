@@ -127,9 +127,9 @@ class StepRunner:
     def release(self, layer: int, patch=None):
         """Hand layer `layer` to the program once torch's current stream reaches this point, and
         order what torch queues from now on after the layer's workspace.  patch: None, or a
-        function that queues torch's writes into the layer's workspace; the release then follows
-        them (the program's next gather does not compete with them for memory bandwidth), which
-        needs the layer's gather released before (depth > 0)."""
+        function of torch's current stream that queues torch's writes into the layer's workspace
+        on it; the release then follows them (the program's next gather does not compete with
+        them for memory bandwidth), which needs the layer's gather released before (depth > 0)."""
         stream = self.events.torch_stream()
         with self._lock:
             if self._abandoned is not None:
@@ -140,7 +140,7 @@ class StepRunner:
             else:
                 self.flags.torch_after(stream, layer)
                 try:
-                    patch()
+                    patch(stream)
                 finally:        # a patch that raised still releases: JAX's stream must not wait for it
                     self.flags.release(stream, layer)
             self._stream, self._progress = stream, time.monotonic()

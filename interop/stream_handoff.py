@@ -351,7 +351,8 @@ class StepFlags:
                                "abandon it first")
         if self.release_aside:      # no late write of the last step may land after the zeroing
             torch_stream.wait_stream(self._release_stream)
-        _check(self._memset(self._words_at, 0, self.layers + 1, torch_stream.cuda_stream), "cuMemsetD32Async")
+        native_signal.check_result(self._memset(self._words_at, 0, self.layers + 1, torch_stream.cuda_stream),
+                                   "cuMemsetD32Async")
         self.released = 0
 
     def dispatched(self) -> int:
@@ -379,8 +380,8 @@ class StepFlags:
             raise ValueError(f"layer: expected {self.released} (layers are released in order), got {layer}")
         if self.release_aside:
             event = self._released_at[layer]
-            _check(self._event_record(event, torch_stream.cuda_stream), "cuEventRecord")
-            _check(self._stream_wait_event(self._release_handle, event, 0), "cuStreamWaitEvent")
+            native_signal.check_result(self._event_record(event, torch_stream.cuda_stream), "cuEventRecord")
+            native_signal.check_result(self._stream_wait_event(self._release_handle, event, 0), "cuStreamWaitEvent")
             self._write_word(self._release_handle, layer, 1)
         else:
             self._write_word(torch_stream.cuda_stream, layer, 1)
@@ -388,7 +389,8 @@ class StepFlags:
 
     def torch_after(self, torch_stream: torch.cuda.Stream, layer: int):
         """Work queued on `torch_stream` from now on runs after layer `layer`'s workspace is ready."""
-        _check(self._stream_wait_event(torch_stream.cuda_stream, self._ready[layer], 0), "cuStreamWaitEvent")
+        native_signal.check_result(self._stream_wait_event(torch_stream.cuda_stream, self._ready[layer], 0),
+                                   "cuStreamWaitEvent")
 
     def abandon(self, torch_stream: torch.cuda.Stream):
         """Release the layers not yet released, after setting the abandon word: their part of the
@@ -403,9 +405,4 @@ class StepFlags:
         self.released = self.layers
 
     def _write_word(self, stream: int, index: int, value: int):
-        _check(self._write(stream, self._words_at + 4 * index, value, 0), "cuStreamWriteValue32")
-
-
-def _check(rc: int, what: str):
-    if rc != 0:
-        raise RuntimeError(f"{what} failed with CUresult {rc}")
+        native_signal.check_result(self._write(stream, self._words_at + 4 * index, value, 0), "cuStreamWriteValue32")

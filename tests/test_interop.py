@@ -1,4 +1,5 @@
 """The torch bridge and the engine adapter with real torch tensors (CPU here, CUDA on a GPU)."""
+import ctypes
 import gc
 import os
 import subprocess
@@ -442,8 +443,36 @@ def test_the_engines_patch_writes_every_chunk_row_and_nothing_else_by_runs_or_in
     poison = rng.integers(0, 256, (world_size * plan.padded_tokens, 656), dtype=np.uint8)   # rank-major
     want = poison.copy()
     want[rows] = records
-    for how in ("runs", "indexed"):
+    copies = []
+
+    def host_copy(into, of, size, stream):      # the driver's device copy, as a host copy of CPU tensors
+        copies.append(stream)
+        ctypes.memmove(into, of, size)
+        return 0
+    for how in ("runs", "indexed", "driver"):
         workspace = torch.from_numpy(poison.copy())
-        kw = dict(runs=contiguous_runs(rows)) if how == "runs" else dict(rows=torch.from_numpy(rows.astype(np.int64)))
+        kw = dict(rows=torch.from_numpy(rows.astype(np.int64))) if how == "indexed" else dict(runs=contiguous_runs(rows))
+        if how == "driver":
+            kw.update(device_copy=host_copy, stream=7)
         patch_chunk(workspace, torch.from_numpy(records), **kw)
         np.testing.assert_array_equal(workspace.numpy(), want, err_msg=how)
+    assert copies == [7] * len(contiguous_runs(rows))
+
+
+def test_the_engines_patch_through_the_driver_checks_every_run_before_it_copies():
+    """A run past the records' rows or the workspace's raises before any copy is queued."""
+    from interop.adapter import patch_chunk
+    records = torch.from_numpy(np.random.default_rng(5).integers(0, 256, (8, 656), dtype=np.uint8))
+    copies = []
+
+    def host_copy(into, of, size, stream):
+        copies.append((into, of, size))
+        return 0
+    for runs in ([(0, 4, 0), (4, 9, 10)], [(0, 4, 0), (4, 8, 13)], [(0, 4, -1)], [(3, 3, 0)]):
+        workspace = torch.zeros(16, 656, dtype=torch.uint8)
+        with pytest.raises(ValueError, match="runs:"):
+            patch_chunk(workspace, records, runs=runs, device_copy=host_copy, stream=0)
+    assert copies == []
+    with pytest.raises(RuntimeError, match="cuMemcpyDtoDAsync failed with CUresult 1"):
+        patch_chunk(torch.zeros(16, 656, dtype=torch.uint8), records, runs=[(0, 8, 0)],
+                    device_copy=lambda *a: 1, stream=0)

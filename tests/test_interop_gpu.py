@@ -797,7 +797,7 @@ def test_the_step_program_ordering_is_exact_in_every_order_and_replays(depth, st
     adapter.close()
 
 
-@pytest.mark.parametrize("depth, patch", [(d, "runs") for d in range(4)] + [(2, "indexed")])
+@pytest.mark.parametrize("depth, patch", [(d, "runs") for d in range(4)] + [(2, "indexed"), (2, "torch runs")])
 @pytest.mark.parametrize("stream", ["default", "side"])
 def test_a_step_program_whose_engine_writes_the_caches_is_exact_in_every_order_and_replays(depth, patch, stream,
                                                                                            monkeypatch):
@@ -806,10 +806,13 @@ def test_a_step_program_whose_engine_writes_the_caches_is_exact_in_every_order_a
     matmuls, then calls gather with the records (freed at once, so the allocator hands their
     memory to the next layer's); every workspace read is the pure-JAX gather of the cache torch
     wrote.  Three rounds of two step shapes; from a shape's third step on XLA replays the
-    program.  torch patches the records in a copy per run of rows, or (`indexed`, where the runs
-    are many) in one indexed copy."""
+    program.  torch patches the records in a device copy per run of rows through the driver, by
+    torch's `copy_` where the driver's copy is not given (`torch runs`), or (`indexed`, where the
+    runs are many) in one indexed copy."""
     if patch == "indexed":
         monkeypatch.setattr(interop.adapter, "MAX_PATCH_RUNS", 0)
+    if patch == "torch runs":
+        monkeypatch.setattr(interop.native_signal, "memcpy_dtod", lambda: None)
     layers = 4
     engine = TorchEngine(1, 0, formats.get("fp8_ds_mla"), layers, device="cuda")
     adapter = _step_adapter(depth, step_timeout_s=120, cache_writes="engine")
@@ -837,6 +840,8 @@ def test_a_step_program_whose_engine_writes_the_caches_is_exact_in_every_order_a
             written.append((f"depth {depth} {stream} round {round_} T {plan.num_tokens}", plan, got, caches))
             if depth:
                 assert (adapter._patch_runs is None) == (patch == "indexed")
+                if patch != "indexed":
+                    assert (adapter._device_copy is None) == (patch == "torch runs")
     torch_stream.synchronize()
     for what, plan, got, caches in written:
         for layer in range(layers):
