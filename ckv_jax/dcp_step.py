@@ -536,6 +536,32 @@ def _through_hook(hook, layer: int, ring: list, cache=None, small=(), *, mesh, a
     return slots, None if cache is None else outs[-1].reshape(cache.shape), small
 
 
+# The most gathers queued ahead at one point of a step, before a layer's write or patch.  JAX
+# runs a device's work on one stream in order, so every gather queued ahead of a layer's write
+# delays that layer: queueing the whole lookahead at once (depth gathers before layer 0) puts
+# depth - 1 unneeded gathers in front of layer 0's write (1M history, 1 ms a layer: three at once
+# hid 86% at depth 3 where two hide 95%; BENCHMARKS.md, thirtieth and forty-ninth sections).  Two
+# at a point fill the lookahead one layer a point (one to keep pace, one to gain), so a write
+# waits for at most two gathers.
+PREFETCHES_AT_ONCE = 2
+
+
+def prefetch_points(num_layers: int, depth: int) -> list[list[int]]:
+    """The layers a step of lookahead `depth` gathers ahead, point by point: [0] before layer 0's
+    wait, [l + 1] after layer l's signal.  A point gathers the layers up to l + depth that are
+    not gathered yet, at most `PREFETCHES_AT_ONCE` of them, in order; so with depth > 0 layer l
+    is gathered at point l or before, and the slot it overwrites held layer l - depth - 1 at the
+    latest.  Depth 0 gathers nothing ahead."""
+    if depth == 0:
+        return [[] for _ in range(num_layers + 1)]
+    points, gathered = [], 0
+    for point in range(num_layers + 1):
+        end = min(point + depth, num_layers, gathered + PREFETCHES_AT_ONCE)
+        points.append(list(range(gathered, end)))
+        gathered = max(gathered, end)
+    return points
+
+
 @functools.partial(jax.jit, static_argnames=("depth", "mesh", "axis_name", "layout", "implementation", "interpret",
                                              "tiles", "prefetch_tiles", "hooks"),
                    donate_argnames=("ring", "caches", "flags"))
@@ -555,7 +581,7 @@ def step_program(ring, caches, flags, kv_c, k_pe, arrays: StepArrays, *, depth: 
               layer's wait is released (the consumer rewrites it between layers), or L pairs;
               or both None: the consumer writes the chunk itself (below)
 
-    The program first gathers layers 0..depth-1 into slots 0..depth-1; then for layer l:
+    The program first gathers layers 0..min(depth, 2)-1 into their slots; then for layer l:
 
       1. `hooks.wait(l, arrays, platform=)` -> arrays, the ring slots and then `flags`: the rest
          waits there until the consumer released layer l (its latents are in the chunk buffers,
@@ -565,7 +591,9 @@ def step_program(ring, caches, flags, kv_c, k_pe, arrays: StepArrays, *, depth: 
       2. the chunk written into caches[l] and, with depth > 0, patched into slot l % (depth + 1)
          by one writer call (depth 0: the slot gathered from the written cache);
       3. `hooks.signal(l, arrays, platform=)` -> arrays: layer l's workspace is ready;
-      4. the gather of layer l + depth (its pre-step cache) into slot (l + depth) % (depth + 1).
+      4. the gathers of the layers up to l + depth not gathered yet (their pre-step caches),
+         layer t into slot t % (depth + 1), at most two (`prefetch_points`): the lookahead fills
+         over the first layers, and no layer's write waits behind more than two gathers.
 
     Both hooks take and return all ring slots (the signal also the layer's written cache, as
     rows), aliased, and the writer takes the word read after the wait, so the steps of one layer
@@ -613,7 +641,8 @@ def step_program(ring, caches, flags, kv_c, k_pe, arrays: StepArrays, *, depth: 
                                         through=through, one_rank=one_rank, tiles=tiles,
                                         prefetch_tiles=prefetch_tiles)
         return tuple(ring), tuple(caches), flags
-    for t in range(min(depth, num_layers)):
+    points = prefetch_points(num_layers, depth)
+    for t in points[0]:
         ring[t] = gather(caches[t], out=ring[t], tiles=prefetch_tiles)
     for l in range(num_layers):
         own = l % slots
@@ -634,10 +663,10 @@ def step_program(ring, caches, flags, kv_c, k_pe, arrays: StepArrays, *, depth: 
         # reads, passes through the signal too, so the pack follows it
         following = () if one_rank else (arrays.local_cu,)
         ring, caches[l], following = through(hooks.signal, l, ring, caches[l], following)
-        if depth and l + depth < num_layers:
-            t = (l + depth) % slots
+        if points[l + 1]:
             after_signal = arrays if one_rank else dataclasses.replace(arrays, local_cu=following[0])
-            ring[t] = gather(caches[l + depth], arrays=after_signal, out=ring[t], tiles=prefetch_tiles)
+            for t in points[l + 1]:
+                ring[t % slots] = gather(caches[t], arrays=after_signal, out=ring[t % slots], tiles=prefetch_tiles)
     return tuple(ring), tuple(caches), flags
 
 

@@ -16,7 +16,7 @@ slots of D * C records.  Per step:
 that are registered and not already pending (JAX dispatch is asynchronous: they run on JAX's
 stream while the caller continues), stopping at the first layer whose cache is not registered,
 so the first step only discovers caches; each dispatch prefetches at most
-`PREFETCHES_PER_DISPATCH` layers, so the lookahead fills over the first calls.  A call's own
+`dcp_step.PREFETCHES_AT_ONCE` layers, so the lookahead fills over the first calls.  A call's own
 work and its prefetches are one program.  Ordering comes from data dependencies: a prefetch reads the registered (pre-step) cache of its
 layer, and JAX orders a later donation or overwrite of that cache after the read.
 
@@ -42,16 +42,6 @@ from ckv_jax.prefetch_config import GatherConfig, MemoryPlan, memory_plan
 from ckv_jax.step_plan import StepPlan
 
 log = logging.getLogger("ckv_jax.prefetch")
-
-
-# The most gathers one dispatch prefetches.  JAX runs a device's programs on one stream in order,
-# so every gather queued ahead of a layer's patch delays that layer: queueing the whole lookahead
-# at once (depth gathers at begin_step) puts depth - 1 unneeded gathers in front of layer 0's
-# patch (1M history, 1 ms a layer: begin_step queueing three hid 86% at depth 3 where two hide
-# 95%; BENCHMARKS.md, "All of the lookahead's first packs").  Two per dispatch fill the
-# lookahead one layer per call (one to keep pace, one to gain), so a patch waits for at most two
-# gathers.
-PREFETCHES_PER_DISPATCH = 2
 
 
 def target_layers(layer: int, depth: int, registered, pending, limit: int | None = None) -> list[int]:
@@ -258,7 +248,7 @@ class PrefetchOrchestrator:
         """Start a step: pending prefetches of every lane are dropped, cache bindings kept.
 
         prefetch: dispatch at once, for every lane, the gathers of its first registered layers
-        (up to `depth` of them, at most `PREFETCHES_PER_DISPATCH`).  A gather reads only the
+        (up to `depth` of them, at most `dcp_step.PREFETCHES_AT_ONCE`).  A gather reads only the
         history, which earlier steps wrote, and each layer patches its current chunk in when it
         is called; so layer 0's gather also runs beside whatever the engine does before layer
         0's attention, instead of in front of it.
@@ -287,7 +277,7 @@ class PrefetchOrchestrator:
         if not (prefetch and plan.eligible):
             return
         for key, state in self._lanes.items():
-            targets = target_layers(-1, self.depth, state.registered, state.pending, PREFETCHES_PER_DISPATCH)
+            targets = target_layers(-1, self.depth, state.registered, state.pending, dcp_step.PREFETCHES_AT_ONCE)
             if not targets:
                 continue
             if after is None:
@@ -385,7 +375,7 @@ class PrefetchOrchestrator:
             index, own_cache, how = state.pending.pop(layer), None, "prefetched"
         else:
             index, own_cache, how = layer % self.slots, cache, "sync"
-        targets = target_layers(layer, self.depth, state.registered, state.pending, PREFETCHES_PER_DISPATCH)
+        targets = target_layers(layer, self.depth, state.registered, state.pending, dcp_step.PREFETCHES_AT_ONCE)
         try:
             ws = self._own_and_prefetches(state, index, own_cache, kv_c, k_pe, targets, after, ready, signal,
                                           cache if write else None, written)

@@ -9,7 +9,7 @@ import pytest
 import dcp_scenario
 from ckv_jax import dcp_step, formats, full_ckv, placement
 from ckv_jax.dcp_layout import DcpLayout
-from ckv_jax.prefetch import (PREFETCHES_PER_DISPATCH, PrefetchOrchestrator, RegisteredLayers, SlotStillReferenced,
+from ckv_jax.prefetch import (PrefetchOrchestrator, RegisteredLayers, SlotStillReferenced,
                              target_layers)
 from ckv_jax.prefetch_config import GatherConfig
 from ckv_jax.step_plan import build_step_plan
@@ -50,7 +50,7 @@ def test_a_dispatch_prefetches_at_most_its_limit_and_the_lookahead_fills_over_ca
     assert target_layers(0, 4, [True] * 8, {1: 1}, limit=2) == [2, 3]     # pending layers do not count
     assert target_layers(1, 4, [True] * 8, {2: 2, 3: 3}, limit=2) == [4, 5]
     assert target_layers(2, 4, [True] * 8, {3: 3, 4: 4, 5: 0}, limit=2) == [6]
-    assert PREFETCHES_PER_DISPATCH == 2
+    assert dcp_step.PREFETCHES_AT_ONCE == 2
 
 
 def test_native_record_formats_support_lookahead():

@@ -172,11 +172,31 @@ def test_a_step_released_half_way_writes_no_cache_past_the_release(depth):
     assert int(flags[-1]) == 1                 # the word the hooks set is the program's result
 
 
-@pytest.mark.parametrize("d, depth", [(1, 1), (2, 2)])
+def test_the_step_prefetches_at_most_two_layers_at_a_point_and_each_layer_before_its_wait():
+    """`prefetch_points`: [0] before layer 0's wait, [l + 1] after layer l's signal."""
+    assert dcp_step.prefetch_points(4, 0) == [[], [], [], [], []]
+    assert dcp_step.prefetch_points(4, 1) == [[0], [1], [2], [3], []]
+    assert dcp_step.prefetch_points(4, 2) == [[0, 1], [2], [3], [], []]
+    assert dcp_step.prefetch_points(4, 3) == [[0, 1], [2, 3], [], [], []]
+    assert dcp_step.prefetch_points(8, 4) == [[0, 1], [2, 3], [4, 5], [6], [7], [], [], [], []]
+    assert dcp_step.prefetch_points(1, 3) == [[0], []]
+    for layers in range(1, 12):
+        for depth in range(1, 6):
+            points = dcp_step.prefetch_points(layers, depth)
+            assert sorted(t for p in points for t in p) == list(range(layers))
+            for point, targets in enumerate(points):
+                assert len(targets) <= dcp_step.PREFETCHES_AT_ONCE
+                # layer t is gathered by its own wait, into a slot whose last layer (t - depth - 1)
+                # was released before this point
+                assert all(point <= t <= point - 1 + depth for t in targets), (layers, depth, point, targets)
+
+
+@pytest.mark.parametrize("d, depth", [(1, 1), (2, 2), (1, 3)])
 def test_the_step_program_orders_each_layer_behind_its_wait_and_copies_nothing(d, depth):
     """In the compiled program layer l's wait precedes its signal, which precedes layer l + 1's
-    wait; every read of a later layer's cache (its prefetch) follows the signal of the layer
-    that issues it and precedes the next wait; and no slot, cache or flag word is copied (the
+    wait; every read of a later layer's cache (its prefetch, at the point `prefetch_points`
+    gives) follows the signal of the layer that issues it and precedes the next wait, and the
+    first prefetches precede layer 0's wait; and no slot, cache or flag word is copied (the
     hooks' buffers stay the caller's, so a recorded CUDA graph stays valid)."""
     mesh, layers, plan, arrays, chunks, caches = _step(d)
     fmt = formats.get("fp8_ds_mla")
@@ -206,18 +226,20 @@ def test_the_step_program_orders_each_layer_behind_its_wait_and_copies_nothing(d
     assert not [n for n, (_, _, line) in ins.items() if flag_words in line.split("=")[1] and " copy(" in line]
     cache_params = {int(line.split('op_name="caches[')[1].split("]")[0]): n for n, (_, _, line) in ins.items()
                     if "parameter(" in line and 'op_name="caches[' in line}
+    issued = {1: {-1: [0], 0: [1], 1: [2], 2: [3]},            # layer l (-1: the step's start) issues
+              2: {-1: [0, 1], 0: [2], 1: [3]},                   # the prefetches of these layers
+              3: {-1: [0, 1], 0: [2, 3]}}[depth]
     for l in range(LAYERS):
         assert waits[l] in above(signals[l])
         if l + 1 < LAYERS:
             assert signals[l] in above(waits[l + 1])
-        if l + depth < LAYERS:                 # layer l issues the prefetch of layer l + depth
-            param = cache_params[l + depth]
+    for l, targets in issued.items():
+        for t in targets:
             # (a bitcast reads nothing: it names the buffer for the layer's own writer, later)
             readers = [n for n, (_, ops, line) in ins.items()
-                       if param in ops and "ckv_host" not in line and " bitcast(" not in line]
-            assert readers and all(signals[l] in above(n) for n in readers), (l, readers)
-            if l + 1 < LAYERS:
-                assert all(n in above(waits[l + 1]) for n in readers), (l, readers)
+                       if cache_params[t] in ops and "ckv_host" not in line and " bitcast(" not in line]
+            assert readers and all(l < 0 or signals[l] in above(n) for n in readers), (l, t, readers)
+            assert all(n in above(waits[l + 1]) for n in readers), (l, t, readers)
     jax.block_until_ready(dcp_step.step_program(*args, **kw))
     assert hooks.wait_state[0] == hooks.signal_state[0] == LAYERS * d     # once per layer and device
 
