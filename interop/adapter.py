@@ -326,7 +326,8 @@ class TorchCkvAdapter:
             kv_c, k_pe = (self._chunk_buffers[(t.dtype, t.shape[1])][1] for t in self.chunk_buffers())
         lane = self.orch.lane("target").lane
         ring, slots = self.orch.pool.ring(lane), self.orch.depth + 1
-        for index in range(min(self.orch.depth, len(caches))):      # the program's first prefetches
+        # the slots of layers 0..depth-1, which the program gathers before layer 1's wait
+        for index in range(min(self.orch.depth, len(caches))):
             self.orch.pool.check_writable(lane, index)
         ring[:slots], written = self.step.begin(ring[:slots], caches, kv_c, k_pe, self.orch.step_arrays)
         for slot in ring[:slots]:
