@@ -62,9 +62,9 @@ while torch computes layer L.  Three ordering protocols, chosen once (`ordering`
   chunk's encoded records to `gather(l, kv_caches[l], records=...)`: the program only gathers.
   At depth > 0 torch waits on the event of the slot's gather (which ran layers earlier),
   patches the records into the slot on its own stream (one device copy a run of consecutive
-  rows, `contiguous_runs`, queued through the driver: one with D = 1; one indexed copy of 8-byte
-  words where they are more than `MAX_PATCH_RUNS`), and only then releases the layer, on the flags' own stream
-  (`StepFlags` release_aside): the next gather does not compete with the patch, and the flag's
+  rows, `contiguous_runs`, queued through the driver: one with D = 1; one indexed copy of
+  8-byte words where they are more than `MAX_PATCH_RUNS`), and only then releases the layer, on
+  the flags' own stream (`StepFlags` release_aside): the next gather does not compete with the patch, and the flag's
   write does not hold torch's stream.  At depth 0 the release comes first (the layer's gather
   waits for it).  No JAX work lies between a layer's cache write and its attention; the
   engine's writer produces the records once (e.g. into a [T, 1, R] buffer through slots

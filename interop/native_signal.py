@@ -240,9 +240,8 @@ def module_loading_mode() -> str:
     module is loaded) or "lazy" (a kernel at its first launch, which synchronizes the device:
     `CUDA_MODULE_LOADING`, read once when the driver initializes)."""
     mode = ctypes.c_int()
-    rc = _driver_function("cuModuleGetLoadingMode", (ctypes.POINTER(ctypes.c_int),))(ctypes.byref(mode))
-    if rc != 0:
-        raise RuntimeError(f"cuModuleGetLoadingMode failed with CUresult {rc}")
+    check_result(_driver_function("cuModuleGetLoadingMode", (ctypes.POINTER(ctypes.c_int),))(ctypes.byref(mode)),
+                 "cuModuleGetLoadingMode")
     return {1: "eager", 2: "lazy"}.get(mode.value, f"unknown ({mode.value})")
 
 
@@ -258,6 +257,4 @@ def make_context_current(index: int):
     for what, call in (("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(device), index)),
                        ("cuDevicePrimaryCtxRetain", lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)),
                        ("cuCtxSetCurrent", lambda: cuda.cuCtxSetCurrent(context))):
-        rc = call()
-        if rc != 0:
-            raise RuntimeError(f"{what} failed with CUresult {rc}")
+        check_result(call(), what)

@@ -44,14 +44,10 @@ import jax  # noqa: E402
 import torch  # noqa: E402
 
 from interop import native_signal, stream_handoff  # noqa: E402
+from interop.native_signal import check_result  # noqa: E402
 
 WAIT_FLAGS = {"eq": 0x1, "geq": 0x0, "eq-flush": 0x1 | (1 << 30)}    # CU_STREAM_WAIT_VALUE_*
 WRITE_DEFAULT = 0x0                                                   # CU_STREAM_WRITE_VALUE_DEFAULT
-
-
-def checked(rc: int, what: str):
-    if rc != 0:
-        raise RuntimeError(f"{what} failed with CUresult {rc}")
 
 
 class Probe:
@@ -83,20 +79,20 @@ class Probe:
     def release(self, how: str, stream, flag: torch.Tensor):
         handle = ctypes.c_void_p(stream.cuda_stream)
         if how == "write":
-            checked(self.write_value(handle, flag.data_ptr(), 1, WRITE_DEFAULT), "cuStreamWriteValue32")
+            check_result(self.write_value(handle, flag.data_ptr(), 1, WRITE_DEFAULT), "cuStreamWriteValue32")
         elif how == "kernel":
             with torch.cuda.stream(stream):
                 flag[:1].fill_(1)
         elif how == "memset":
-            checked(self.memset(flag.data_ptr(), 1, 1, handle), "cuMemsetD32Async")
+            check_result(self.memset(flag.data_ptr(), 1, 1, handle), "cuMemsetD32Async")
         else:
             raise ValueError(how)
 
     def wait(self, how: str, reset: str, stream, flag: torch.Tensor):
         handle = ctypes.c_void_p(stream.cuda_stream)
-        checked(self.wait_value(handle, flag.data_ptr(), 1, WAIT_FLAGS[how]), f"cuStreamWaitValue32 ({how})")
+        check_result(self.wait_value(handle, flag.data_ptr(), 1, WAIT_FLAGS[how]), f"cuStreamWaitValue32 ({how})")
         if reset == "write":
-            checked(self.write_value(handle, flag.data_ptr(), 0, WRITE_DEFAULT), "cuStreamWriteValue32 (reset)")
+            check_result(self.write_value(handle, flag.data_ptr(), 0, WRITE_DEFAULT), "cuStreamWriteValue32 (reset)")
 
     def trial(self, *, release: str, wait: str, reset: str, memory: str, producer: str, consumer: str,
               compute_us: float, busy: bool = False, graph=None) -> float:

@@ -32,14 +32,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from interop import bench, bridge, native_signal, stream_handoff  # noqa: E402
+from interop.native_signal import check_result  # noqa: E402
 
 WAIT_GEQ = 0x0                 # CU_STREAM_WAIT_VALUE_GEQ
 WRITE_DEFAULT = 0x0            # CU_STREAM_WRITE_VALUE_DEFAULT (a memory barrier before the write)
-
-
-def checked(result: int, what: str):
-    if result != 0:
-        raise RuntimeError(f"{what} failed: CUresult {result}")
 
 
 def median_us(fn, calls: int, rounds: int = 5) -> float:
@@ -101,11 +97,11 @@ def main(argv=None) -> int:
         sleep()
         filled.fill_(value)
         if flag is not None:
-            checked(write_value(torch_handle, flags.data_ptr() + 4 * flag, value, WRITE_DEFAULT), "write")
+            check_result(write_value(torch_handle, flags.data_ptr() + 4 * flag, value, WRITE_DEFAULT), "write")
 
     def jax_reads(flag: int | None, value: int):
         if flag is not None:
-            checked(wait_value(jax_stream, flags.data_ptr() + 4 * flag, value, WAIT_GEQ), "wait")
+            check_result(wait_value(jax_stream, flags.data_ptr() + 4 * flag, value, WAIT_GEQ), "wait")
         return read(filled_jax)
 
     cases = []
@@ -126,7 +122,7 @@ def main(argv=None) -> int:
               f"({int((seen == value).sum())} of {seen.size} rows)")
 
     # the way out of an abandoned step: the host writes a flag no stream will write
-    checked(wait_value(jax_stream, host_flags.data_ptr() + 4, 5, WAIT_GEQ), "host-flag wait")
+    check_result(wait_value(jax_stream, host_flags.data_ptr() + 4, 5, WAIT_GEQ), "host-flag wait")
     held = read(filled_jax)
     time.sleep(0.05)
     blocked = not held.is_ready()
