@@ -25,9 +25,21 @@ def cache_sharding(mesh: jax.sharding.Mesh, axis_name: str = DCP_AXIS) -> NamedS
 
 
 def replicated(mesh: jax.sharding.Mesh, *arrays):
-    """Each array placed whole on every device of `mesh` (`replicated_sharding`)."""
-    arrays = [jnp.asarray(a) for a in arrays]
-    return [jax.device_put(a, replicated_sharding(mesh, a.ndim)) for a in arrays]
+    """Each array placed whole on every device of `mesh` (`replicated_sharding`).  Where the
+    mesh spans several processes (`jax.distributed`), every process passes the same values and
+    each places its own copy on its own devices: `jax.device_put` of a process's array onto
+    such a mesh is a transfer between processes, which a replicated input is not (on CPU it
+    gave an array whose shards cannot be read)."""
+    out = []
+    for a in arrays:
+        a = jnp.asarray(a)
+        sharding = replicated_sharding(mesh, a.ndim)
+        if a.is_fully_addressable and not sharding.is_fully_addressable:
+            local = [jax.device_put(a, device) for device in sharding.addressable_devices]
+            out.append(jax.make_array_from_single_device_arrays(a.shape, sharding, local))
+        else:
+            out.append(jax.device_put(a, sharding))
+    return out
 
 
 def mesh_axis_size(mesh, axis_name: str = DCP_AXIS, world_size: int | None = None) -> int:

@@ -2,16 +2,22 @@
 engine process with one device, its own caches, and `TorchCkvAdapter` over `jax.distributed`.
 
 usage: python mp_adapter_worker.py PROCESS_ID NUM_PROCESSES PORT DEPTH OUT.npz [cpu|cuda] [engine|adapter]
+       [step-program]
 
 cuda: process i drives GPU i (JAX's local device and torch's device), so the adapter takes its
 cuda-events ordering and each layer program's all-gather crosses the GPUs over NCCL.
 adapter: the adapter writes each layer's cache (`write_cache=True`); the rank checks it against
 a twin engine that writes its own.
+step-program (cuda): the adapter's step-program ordering, whose one program a step holds every
+layer's all-gather, each behind the layer's flag; the ranks copy each workspace and cache on
+torch's stream and read them once the step is done (a read mid-step would wait for the program,
+which waits for the host: the ordering's hazard).
 """
 import os
 import sys
 
 os.environ["JAX_NUM_CPU_DEVICES"] = "1"
+os.environ["CUDA_MODULE_LOADING"] = "EAGER"         # the step-program ordering's (no lazy load mid-step)
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
@@ -26,6 +32,7 @@ def main():
                                     sys.argv[5])
     device = sys.argv[6] if len(sys.argv) > 6 else "cpu"
     writer = sys.argv[7] if len(sys.argv) > 7 else "engine"
+    ordering = sys.argv[8] if len(sys.argv) > 8 else None
     local = dict(local_device_ids=[pid]) if device == "cuda" else {}
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
                                initialization_timeout=60, **local)
@@ -35,29 +42,42 @@ def main():
     import interop
     from ckv_jax import formats
     from ckv_jax.prefetch_config import GatherConfig
+    from interop import torch_records
     from torch_engine_sim import STEPS, TorchEngine
 
     engine = TorchEngine(nproc, pid, formats.get("fp8_ds_mla"), LAYERS, device=device)
     twin = TorchEngine(nproc, pid, formats.get("fp8_ds_mla"), LAYERS, device=device)
+    step_program = ordering == "step-program"
+    asked = dict(ordering=ordering, cache_writes=writer) if step_program else {}
     adapter = interop.TorchCkvAdapter(world_size=nproc, format="fp8_ds_mla", max_num_seqs=4, block_size=16,
                                       config=GatherConfig(enabled=True, depth=depth, workspace_mib=0,
-                                                          min_tokens=1, max_tokens=512))
+                                                          min_tokens=1, max_tokens=512), **asked)
     saved = {}
     for s, (hist, q) in enumerate(STEPS):
         plan = engine.plan(hist, q)
-        assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu()), plan.why
+        caches = dict(kv_caches=engine.caches) if step_program else {}
+        assert adapter.begin_step(torch.tensor(hist + q), torch.tensor(q), engine.block_table.cpu(), **caches), \
+            plan.why
+        copies = {}                                   # read once the step is done (step-program)
         for layer in range(LAYERS):
             kv, pe = engine.chunk(plan.num_tokens)
             twin.chunk(plan.num_tokens)
             twin.write(layer, plan, kv, pe)
             if writer == "engine":
                 engine.write(layer, plan, kv, pe)
-            adapter.set_current_chunk(kv, pe)
-            ws = adapter.gather(layer, engine.caches[layer], write_cache=writer == "adapter")
-            assert torch.equal(engine.caches[layer], twin.caches[layer]), f"rank {pid} step {s} layer {layer}"
-            saved[f"ws_{s}_{layer}"] = ws[:adapter.rows].cpu().numpy().copy()
-            saved[f"cache_{s}_{layer}"] = engine.caches[layer].cpu().numpy().copy()
+            if step_program and writer == "engine":
+                ws = adapter.gather(layer, engine.caches[layer],
+                                    records=torch_records.encode("fp8_ds_mla", kv, pe))
+            else:
+                adapter.set_current_chunk(kv, pe)
+                ws = adapter.gather(layer, engine.caches[layer], write_cache=writer == "adapter")
+            copies[f"ws_{s}_{layer}"] = ws[:adapter.rows].clone()
+            copies[f"cache_{s}_{layer}"] = engine.caches[layer].clone()
             del ws
+        for name, copy in copies.items():
+            saved[name] = copy.cpu().numpy()
+        for layer in range(LAYERS):
+            assert torch.equal(engine.caches[layer], twin.caches[layer]), f"rank {pid} step {s} layer {layer}"
     saved["decisions"] = np.array([str(d) for d in adapter.orch.decisions])
     saved["ordering"] = np.array(adapter.ordering)
     adapter.close()

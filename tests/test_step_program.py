@@ -9,31 +9,10 @@ import numpy as np
 import pytest
 
 import dcp_scenario
-from ckv_jax import dcp_step, formats, full_ckv, placement
-from ckv_jax.step_plan import build_step_plan
+import step_case
+from ckv_jax import dcp_step, formats
 from helpers import ancestors, copies_of_at_least, entry_instructions, mesh_of
-
-LAYERS = 4
-FINAL_LENS = np.array([45, 40, 70])
-HIST, QUERY = np.array([20, 0, 40]), np.array([17, 23, 18])
-
-
-class CapturingHooks:
-    """Hooks that send each layer's workspace to the host when it is signalled, and report the
-    step abandoned from layer `abandoned_from` on (None: never)."""
-
-    def __init__(self, depth, abandoned_from=None):
-        self.depth, self.abandoned_from = depth, abandoned_from
-        self.workspaces = {}
-
-    def wait(self, layer, arrays, *, platform):
-        word = int(self.abandoned_from is not None and layer >= self.abandoned_from)
-        return arrays[:-1] + (arrays[-1].at[-1].set(word),)        # the abandon word, flags[L]
-
-    def signal(self, layer, arrays, *, platform):
-        own = arrays[layer % (self.depth + 1)]
-        jax.debug.callback(functools.partial(self.workspaces.__setitem__, layer), own)
-        return arrays
+from step_case import HIST, LAYERS, QUERY, CapturingHooks
 
 
 class CountingHooks:
@@ -58,37 +37,9 @@ class CountingHooks:
 
 
 def _step(d, fmt="fp8_ds_mla"):
-    """L layers' scenarios whose caches hold the history HIST, the step's plan, arrays, chunk
-    latents per layer and the caches placed on a D-device mesh."""
+    """`step_case.step` on a D-device mesh: (mesh, layers, plan, arrays, chunks, caches)."""
     mesh = mesh_of(d)
-    layers = [dcp_scenario.build(d, 1, fmt, FINAL_LENS, FINAL_LENS, seed=3, kv_seed=50 + l, written=HIST)
-              for l in range(LAYERS)]
-    plan = build_step_plan(layers[0].layout, HIST + QUERY, QUERY, max_num_seqs=4, min_tokens=1)
-    capacity = 64
-    arrays = dcp_step.step_arrays(plan, layers[0].block_table, mesh, chunk_capacity=capacity)
-    chunks = []
-    for sc in layers:
-        kv = np.concatenate([sc.kv_c[r][h:h + n] for r, (h, n) in enumerate(zip(HIST, QUERY))])
-        pe = np.concatenate([sc.k_pe[r][h:h + n] for r, (h, n) in enumerate(zip(HIST, QUERY))])
-        pad = capacity - len(kv)
-        # rows past the step's tokens hold values the program must not write anywhere
-        chunks.append((np.concatenate([kv, np.full((pad, kv.shape[1]), 7, kv.dtype)]),
-                       np.concatenate([pe, np.full((pad, pe.shape[1]), 7, pe.dtype)])))
-    caches = [placement.place_caches(sc.caches, mesh) for sc in layers]
-    return mesh, layers, plan, arrays, chunks, caches
-
-
-def _flags(mesh):
-    """The hooks' words, int32[L + 1], all 0: no layer abandoned."""
-    return placement.replicated(mesh, jnp.zeros(LAYERS + 1, jnp.int32))[0]
-
-
-def _ring(mesh, d, depth, plan):
-    rng = np.random.default_rng(9)
-    # poisoned: every row a layer reads must be written by the step
-    return tuple(placement.replicated(mesh, jnp.asarray(rng.integers(0, 256, (d * plan.padded_tokens + 16, 656),
-                                                                     dtype=np.uint8)))[0]
-                 for _ in range(depth + 1))
+    return (mesh, *step_case.step(mesh, fmt))
 
 
 def _assert_every_signal_saw_the_synchronous_workspace(hooks, layers, plan, d) -> int:
@@ -109,19 +60,15 @@ def test_the_step_program_gives_every_layer_its_synchronous_workspace_and_writes
     hooks = CapturingHooks(depth)
     before = [np.asarray(c) for c in caches]
     ring, written, _ = dcp_step.step_program(
-        _ring(mesh, d, depth, plan), tuple(caches), _flags(mesh), tuple(jnp.asarray(kv) for kv, _ in chunks),
-        tuple(jnp.asarray(pe) for _, pe in chunks), arrays, depth=depth, mesh=mesh, layout=fmt.layout, hooks=hooks,
-        implementation="xla")
+        step_case.ring(mesh, depth, plan), tuple(caches), step_case.flags(mesh),
+        tuple(jnp.asarray(kv) for kv, _ in chunks), tuple(jnp.asarray(pe) for _, pe in chunks), arrays,
+        depth=depth, mesh=mesh, layout=fmt.layout, hooks=hooks, implementation="xla")
     jax.block_until_ready(written)
     rows = _assert_every_signal_saw_the_synchronous_workspace(hooks, layers, plan, d)
-    for l, sc in enumerate(layers):
-        # the cache as the per-layer writer leaves it
-        kv, pe = chunks[l]
-        n = int(QUERY.sum())
-        expect = full_ckv.write_records_dcp(placement.place_caches([c for c in np.split(before[l], d)], mesh),
-                                            jnp.asarray(kv[:n]), jnp.asarray(pe[:n]), plan, sc.block_table,
-                                            mesh=mesh, format=fmt)
-        np.testing.assert_array_equal(np.asarray(jnp.copy(written[l])), np.asarray(expect), err_msg=f"layer {l}")
+    # each cache as the per-layer writer leaves it
+    expect = step_case.written_caches(mesh, layers, plan, chunks, [np.split(b, d) for b in before], fmt)
+    for l in range(LAYERS):
+        np.testing.assert_array_equal(np.asarray(jnp.copy(written[l])), np.asarray(expect[l]), err_msg=f"layer {l}")
     for l in range(max(0, LAYERS - depth - 1), LAYERS):       # the ring ends with the last layers' workspaces
         np.testing.assert_array_equal(np.asarray(jnp.copy(ring[l % (depth + 1)]))[:rows],
                                       np.asarray(hooks.workspaces[l])[:rows])
@@ -134,15 +81,12 @@ def test_a_gather_only_step_signals_each_layer_once_its_slot_holds_the_written_c
     workspace; the program writes no cache and leaves the flags as the hooks set them."""
     mesh, layers, plan, arrays, chunks, caches = _step(d)
     fmt = formats.get("fp8_ds_mla")
-    n = int(QUERY.sum())
-    written = [full_ckv.write_records_dcp(cache, jnp.asarray(kv[:n]), jnp.asarray(pe[:n]), plan, sc.block_table,
-                                          mesh=mesh, format=fmt)
-               for cache, sc, (kv, pe) in zip(caches, layers, chunks)]
+    written = step_case.written_caches(mesh, layers, plan, chunks, [sc.caches for sc in layers], fmt)
     before = [np.asarray(c) for c in written]
     hooks = CapturingHooks(depth)
     ring, after, flags = dcp_step.step_program(
-        _ring(mesh, d, depth, plan), tuple(written), _flags(mesh), None, None, arrays, depth=depth, mesh=mesh,
-        layout=fmt.layout, hooks=hooks, implementation="xla")
+        step_case.ring(mesh, depth, plan), tuple(written), step_case.flags(mesh), None, None, arrays, depth=depth,
+        mesh=mesh, layout=fmt.layout, hooks=hooks, implementation="xla")
     jax.block_until_ready(after)
     _assert_every_signal_saw_the_synchronous_workspace(hooks, layers, plan, d)
     for l in range(LAYERS):
@@ -160,9 +104,9 @@ def test_a_step_released_half_way_writes_no_cache_past_the_release(depth):
     before = [np.asarray(c) for c in caches]
     hooks = CapturingHooks(depth, abandoned_from=2)
     _, written, flags = dcp_step.step_program(
-        _ring(mesh, d, depth, plan), tuple(caches), _flags(mesh), tuple(jnp.asarray(kv) for kv, _ in chunks),
-        tuple(jnp.asarray(pe) for _, pe in chunks), arrays, depth=depth, mesh=mesh, layout=fmt.layout, hooks=hooks,
-        implementation="xla")
+        step_case.ring(mesh, depth, plan), tuple(caches), step_case.flags(mesh),
+        tuple(jnp.asarray(kv) for kv, _ in chunks), tuple(jnp.asarray(pe) for _, pe in chunks), arrays,
+        depth=depth, mesh=mesh, layout=fmt.layout, hooks=hooks, implementation="xla")
     for l in range(LAYERS):
         after = np.asarray(jnp.copy(written[l]))
         if l < 2:
@@ -201,7 +145,7 @@ def test_the_step_program_orders_each_layer_behind_its_wait_and_copies_nothing(d
     mesh, layers, plan, arrays, chunks, caches = _step(d)
     fmt = formats.get("fp8_ds_mla")
     hooks = CountingHooks()
-    args = (_ring(mesh, d, depth, plan), tuple(caches), _flags(mesh), (jnp.asarray(chunks[0][0]),),
+    args = (step_case.ring(mesh, depth, plan), tuple(caches), step_case.flags(mesh), (jnp.asarray(chunks[0][0]),),
             (jnp.asarray(chunks[0][1]),), arrays)
     kw = dict(depth=depth, mesh=mesh, layout=fmt.layout, hooks=hooks, implementation="xla")
     hlo = dcp_step.step_program.lower(*args, **kw).compile().as_text()
@@ -252,7 +196,7 @@ def test_a_gather_only_step_reads_each_cache_after_its_release_and_copies_nothin
     mesh, layers, plan, arrays, chunks, caches = _step(d)
     fmt = formats.get("fp8_ds_mla")
     hooks = CountingHooks()
-    args = (_ring(mesh, d, depth, plan), tuple(caches), _flags(mesh), None, None, arrays)
+    args = (step_case.ring(mesh, depth, plan), tuple(caches), step_case.flags(mesh), None, None, arrays)
     kw = dict(depth=depth, mesh=mesh, layout=fmt.layout, hooks=hooks, implementation="xla")
     hlo = dcp_step.step_program.lower(*args, **kw).compile().as_text()
     moved = copies_of_at_least(hlo, min(caches[0].size // d, args[0][0].size))
@@ -291,20 +235,17 @@ def test_the_step_program_names_a_wrong_ring_chunk_or_flags():
     fmt = formats.get("fp8_ds_mla")
     kv, pe = (jnp.asarray(chunks[0][0]),), (jnp.asarray(chunks[0][1]),)
     kw = dict(mesh=mesh, layout=fmt.layout, hooks=CapturingHooks(1), implementation="xla")
+    ring, flags = step_case.ring(mesh, 1, plan), step_case.flags(mesh)
     with pytest.raises(ValueError, match=r"ring: expected depth \+ 1 = 2 slots, got 3"):
-        dcp_step.step_program.lower(_ring(mesh, 1, 2, plan), tuple(caches), _flags(mesh), kv, pe, arrays, depth=1,
-                                    **kw)
+        dcp_step.step_program.lower(step_case.ring(mesh, 2, plan), tuple(caches), flags, kv, pe, arrays, depth=1, **kw)
     with pytest.raises(ValueError, match=r"kv_c, k_pe: expected one chunk buffer pair or one per layer \(4\), got 2"):
-        dcp_step.step_program.lower(_ring(mesh, 1, 1, plan), tuple(caches), _flags(mesh), kv * 2, pe * 2, arrays,
-                                    depth=1, **kw)
+        dcp_step.step_program.lower(ring, tuple(caches), flags, kv * 2, pe * 2, arrays, depth=1, **kw)
     with pytest.raises(ValueError, match=r"kv_c, k_pe: expected both chunk buffers or both None \(the consumer "
                                          r"writes the chunk\), got None and buffers"):
-        dcp_step.step_program.lower(_ring(mesh, 1, 1, plan), tuple(caches), _flags(mesh), None, pe, arrays,
-                                    depth=1, **kw)
+        dcp_step.step_program.lower(ring, tuple(caches), flags, None, pe, arrays, depth=1, **kw)
     with pytest.raises(ValueError, match=r"flags: expected int32\[5\] \(a word a layer and the abandon word\), "
                                          r"got uint32\[5\]"):
-        dcp_step.step_program.lower(_ring(mesh, 1, 1, plan), tuple(caches), _flags(mesh).astype(jnp.uint32), kv, pe,
-                                    arrays, depth=1, **kw)
+        dcp_step.step_program.lower(ring, tuple(caches), flags.astype(jnp.uint32), kv, pe, arrays, depth=1, **kw)
 
 
 def test_the_step_hooks_name_a_wrong_state():
@@ -317,3 +258,42 @@ def test_the_step_hooks_name_a_wrong_state():
                                 state=array.array("I", [0, 0]))
     with pytest.raises(TypeError, match=r"state: expected new_state\(\)"):
         native_signal.step_signal((x,), platform="cpu", record_fn=0, capturing_fn=0, ready_event=0, state=[0, 0])
+
+
+@pytest.mark.slow
+def test_two_processes_run_the_step_program_as_one_process_of_two_devices(tmp_path):
+    """Real `jax.distributed` processes of one CPU device each (mp_step_worker.py), for both
+    writers: in each process every layer's signalled workspace is the synchronous path's, its
+    shard of every cache is the per-layer writer's, its ring ends with the last layers'
+    workspaces and no flag word was set."""
+    from helpers import run_workers
+    from mp_step_worker import CASES
+    outs = [tmp_path / f"rank{pid}.npz" for pid in range(2)]
+    procs, logs = run_workers("mp_step_worker.py", lambda pid: [str(outs[pid])])
+    for pid, p in enumerate(procs):
+        assert p.returncode == 0, logs[pid][-3000:]
+    ranks = [np.load(out) for out in outs]
+    d = 2
+    mesh, layers, plan, arrays, chunks, caches = _step(d)
+    written = step_case.written_caches(mesh, layers, plan, chunks, [sc.caches for sc in layers],
+                                       formats.get("fp8_ds_mla"))
+    rows = d * plan.padded_tokens
+    for writer, depth in CASES:
+        key = f"{writer}_{depth}"
+        for rank, saved in enumerate(ranks):
+            signalled = CapturingHooks(depth)
+            signalled.workspaces = {l: saved[f"{key}_ws_{l}"] for l in range(LAYERS)}
+            _assert_every_signal_saw_the_synchronous_workspace(signalled, layers, plan, d)
+            for l in range(LAYERS):
+                np.testing.assert_array_equal(saved[f"{key}_cache_{l}"], np.asarray(written[l].addressable_data(rank)),
+                                              err_msg=f"{key}: rank {rank}'s shard of layer {l}'s cache")
+            for l in range(max(0, LAYERS - depth - 1), LAYERS):
+                np.testing.assert_array_equal(saved[f"{key}_slot_{l % (depth + 1)}"][:rows],
+                                              saved[f"{key}_ws_{l}"][:rows], err_msg=f"{key}: rank {rank}'s slot")
+            for i, slot in enumerate(step_case.ring(mesh, depth, plan)):
+                # each process's copy of the replicated ring is the host's poison, and the rows
+                # past the workspace's keep it
+                np.testing.assert_array_equal(saved[f"{key}_poisoned_{i}"], np.asarray(slot.addressable_data(0)))
+                np.testing.assert_array_equal(saved[f"{key}_slot_{i}"][rows:], saved[f"{key}_poisoned_{i}"][rows:],
+                                              err_msg=f"{key}: rank {rank} wrote slot {i} past the workspace")
+            np.testing.assert_array_equal(saved[f"{key}_flags"], np.zeros(LAYERS + 1, np.int32))
