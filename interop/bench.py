@@ -1,6 +1,9 @@
 """`python -m interop.bench`: how much of the gather the torch adapter's prefetch hides, on a GPU.
 
-One request of H history tokens plus a C-token chunk, D = 1, fp8_ds_mla, L layers.  Per layer
+One request of H history tokens plus a C-token chunk, fp8_ds_mla, L layers, D = 1, or D > 1 ranks
+with `--processes D`: D processes on this machine's first D GPUs, one rank each, joined by
+`jax.distributed` (each layer's gather all-gathers the ranks' shares over NCCL; every rank
+reports its own rows, and the ranks start each timed step together).  Per layer
 torch computes X ms, calls `set_current_chunk` (the latents are final), writes the chunk into the
 layer's paged cache (`--mark after-write`: the other way round), calls `gather`, and reads the
 workspace (a one-row consumer that orders after it).  `--indexer-pct P` moves P% of X to between
@@ -65,13 +68,16 @@ import functools
 import itertools
 import json
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import time
 
 import jax
 import numpy as np
 import torch
+from jax.experimental import multihost_utils
 
 import interop
 from ckv_jax import dcp_step, formats
@@ -85,11 +91,15 @@ FMT = formats.get("fp8_ds_mla")
 
 
 class Workload:
-    """The torch engine's side of one step: caches, table, chunk latents and device slots."""
+    """The torch engine's side of one step on rank `rank` of `world_size` DCP ranks (one process
+    each, `--processes`): the rank's caches, the block table every rank shares, the chunk's
+    latents (the same on every rank) and the device slots of the chunk's tokens the rank owns.
+    Every rank draws the same table, caches and latents from `seed`."""
 
     def __init__(self, history: int, chunk: int, layers: int, block_size: int = 64, seed: int = 0,
                  chunk_in_place: bool = True, mark_before_write: bool = True, native_signal: bool = True,
-                 cache_write: str = "engine", engine_write: str = "words"):
+                 cache_write: str = "engine", engine_write: str = "words", world_size: int = 1, rank: int = 0,
+                 device: str = "cuda"):
         if cache_write not in CACHE_WRITES:
             raise ValueError(f"cache_write: expected one of {CACHE_WRITES}, got {cache_write!r}")
         if engine_write not in ENGINE_WRITES:
@@ -98,25 +108,32 @@ class Workload:
         self.chunk_in_place = chunk_in_place
         self.mark_before_write = mark_before_write
         self.native_signal = native_signal
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        self.layout = DcpLayout(1, 1, block_size)
+        self.layout = DcpLayout(world_size, 1, block_size)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank!r}")
+        self.rank = rank
+        gen = torch.Generator(device=device).manual_seed(seed)
         context = history + chunk
-        blocks = -(-context // block_size)
-        self.table = torch.randperm(blocks, device="cuda", dtype=torch.int32, generator=gen)[None, :].contiguous()
+        blocks = -(-context // (block_size * world_size))        # a block holds block_size tokens of each rank
+        self.table = torch.randperm(blocks, device=device, dtype=torch.int32, generator=gen)[None, :].contiguous()
         self.table_host = self.table.cpu()                # what begin_step reads (no host wait)
         self.caches = [torch.randint(0, 256, (blocks, block_size, FMT.record_bytes), dtype=torch.uint8,
-                                     device="cuda", generator=gen) for _ in range(layers)]
+                                     device=device, generator=gen) for _ in range(layers)]
         self.seq, self.q = np.array([context]), np.array([chunk])
+        self.local_len = int(self.layout.local_seq_lens(self.seq, rank)[0])      # the rank's tokens of the request
         self.plan = build_step_plan(self.layout, self.seq, self.q, max_tokens=context, min_tokens=1,
                                     min_world_size=1)
-        self.kv = (torch.randn(chunk, 512, device="cuda", generator=gen) * 3).to(torch.bfloat16)
-        self.pe = torch.randn(chunk, 64, device="cuda", generator=gen).to(torch.bfloat16)
+        self.kv = (torch.randn(chunk, 512, device=device, generator=gen) * 3).to(torch.bfloat16)
+        self.pe = torch.randn(chunk, 64, device=device, generator=gen).to(torch.bfloat16)
         self.records = torch_records.encode(FMT.name, self.kv, self.pe)
-        self.record_words = self.records.view(torch.int64)          # 82 words a record
-        self.stand_in = torch.zeros((1, FMT.record_bytes), dtype=torch.uint8, device="cuda")
+        self.stand_in = torch.zeros((1, FMT.record_bytes), dtype=torch.uint8, device=device)
         slots = self.layout.slot_mapping(self.plan.positions(), self.plan.req_id_per_token,
-                                         self.table_host.numpy(), 0)
-        self.slots = torch.tensor(slots, dtype=torch.int64, device="cuda")   # on the device: no sync per write
+                                         self.table_host.numpy(), rank)
+        owned = torch.from_numpy(np.flatnonzero(slots >= 0)).to(device)
+        self.owned_records = self.records[owned]           # the rank's share of the chunk, in its cache write
+        self.owned_words = self.owned_records.view(torch.int64)          # 82 words a record
+        # on the device: no sync per write
+        self.slots = torch.tensor(slots[slots >= 0], dtype=torch.int64, device=device)
 
     def adapter(self, depth: int, prefetch_programs: int | None = None,
                 ordering: str | None = None) -> interop.TorchCkvAdapter:
@@ -127,7 +144,8 @@ class Workload:
         if ordering == "step-program":        # the program writes the caches, or only gathers
             asked["cache_writes"] = self.cache_write
         return interop.TorchCkvAdapter(
-            world_size=1, format=FMT.name, max_num_seqs=1, block_size=self.layout.block_size, min_world_size=1,
+            world_size=self.layout.world_size, format=FMT.name, max_num_seqs=1, block_size=self.layout.block_size,
+            min_world_size=1,
             config=GatherConfig(enabled=True, depth=depth, workspace_mib=0, min_tokens=1,
                                 max_tokens=int(self.seq[0])), prefetch_programs=prefetch_programs, **asked)
 
@@ -140,9 +158,9 @@ class Workload:
             indexer()
         rows = self.caches[layer].view(-1, FMT.record_bytes)
         if self.engine_write == "words":
-            rows.view(torch.int64).index_copy_(0, self.slots, self.record_words)
+            rows.view(torch.int64).index_copy_(0, self.slots, self.owned_words)
         else:
-            rows.index_copy_(0, self.slots, self.records)
+            rows.index_copy_(0, self.slots, self.owned_records)
 
     def begin_step(self, adapter) -> bool:
         caches = dict(kv_caches=self.caches) if adapter.ordering == "step-program" else {}
@@ -215,10 +233,20 @@ def _takes_records(adapter) -> bool:
     return getattr(adapter, "cache_writes", "adapter") == "engine"
 
 
+def wait_for_every_process():
+    """With several processes (`--processes`), return once every process got here: the ranks
+    start each timed step together, so no rank's step counts the time its first all-gather
+    waits for a later rank.  A collective on JAX's stream; never call it while a step is open."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("interop.bench")
+
+
 def event_ms(fn, before=None) -> float:
-    """CUDA events on torch's current stream around fn(); before() runs first, untimed."""
+    """CUDA events on torch's current stream around fn(); before() runs first, untimed (after
+    every process got here)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
+    wait_for_every_process()
     if before is not None:
         before()
     start.record()
@@ -279,6 +307,7 @@ def _jax_ms_per_layer(work: Workload, adapter, trials: int) -> float:
     for _ in range(trials):
         events = []
         torch.cuda.synchronize()
+        wait_for_every_process()
         work.begin_step(adapter)
         work.layers(adapter, jax_events=events)
         torch.cuda.synchronize()
@@ -295,15 +324,15 @@ def timed(fn, trials: int, warmup: int = 2, before=None) -> list[float]:
 
 
 def pack_bandwidth(work: Workload, programs, calls: int = 20) -> list[dict]:
-    """The pack of one layer's history alone (GB/s of bytes read + written, CUDA events on JAX's
-    stream around `calls` calls), written into a donated buffer as a prefetch writes its ring
-    slot: the full grid and persistent grids of `programs` programs
+    """The pack of the rank's share of one layer's history alone (GB/s of bytes read + written,
+    CUDA events on JAX's stream around `calls` calls), written into a donated buffer as a
+    prefetch writes its ring slot: the full grid and persistent grids of `programs` programs
     (`ckv_jax.dcp_step.bounded_pack_tiles`), beside a torch device copy of the same bytes."""
     adapter = work.adapter(1)
     stream = adapter.events.jax_stream
     cache = interop.to_jax(work.caches[0], device=adapter.device)
     table = interop.to_jax(work.table, device=adapter.device)
-    cu = jax.device_put(np.array([0, int(work.seq[0])], np.int32), adapter.device)     # the whole request
+    cu = jax.device_put(np.array([0, work.local_len], np.int32), adapter.device)   # the rank's whole request
     rows = work.plan.padded_tokens
     moved = 2 * rows * FMT.record_bytes
     slot = jax.device_put(np.zeros((rows, FMT.record_bytes), np.uint8), adapter.device)
@@ -416,7 +445,8 @@ def _check_step_program_writes(ordering, cache_writes):
 
 def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, prefetch_programs=None,
         chunk_in_place=True, mark_before_write=True, native_signal=True, indexer_pct=0.0,
-        cache_writes=("engine",), engine_write="words", torch_marks="none", ordering=None) -> list[dict]:
+        cache_writes=("engine",), engine_write="words", torch_marks="none", ordering=None, world_size=1,
+        rank=0) -> list[dict]:
     """The rows of the matrix (module docstring).  indexer_pct: the share of each X queued just
     before the cache write (0: none).  cache_writes: who writes the caches in the steps with the
     adapter (`CACHE_WRITES`), each a set of rows; the compute alone always has the engine's
@@ -424,14 +454,16 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
     torch's stream before or after each layer's compute, in every variant.  ordering: the
     adapters' (None: the adapter's default); gather_ms_per_layer is always measured with the
     cuda-events ordering's per-layer programs (a step program's layers have no dispatch of their
-    own to put events around)."""
+    own to put events around).  world_size, rank: this process's rank of a run of `world_size`
+    processes, one GPU and one DCP rank each (`--processes`); every process runs the same rows."""
     _check_step_program_writes(ordering, cache_writes)
     rows = []
     computes = {x: _with_marks(compute_kernels(x * (1 - indexer_pct / 100)), torch_marks) for x in compute_ms}
     indexers = {x: compute_kernels(x * indexer_pct / 100) if indexer_pct else None for x in compute_ms}
     for history in histories:
         work = Workload(history, chunk, layers, chunk_in_place=chunk_in_place, mark_before_write=mark_before_write,
-                        native_signal=native_signal, cache_write=cache_writes[0], engine_write=engine_write)
+                        native_signal=native_signal, cache_write=cache_writes[0], engine_write=engine_write,
+                        world_size=world_size, rank=rank)
         adapters = {d: work.adapter(d, prefetch_programs, ordering) for d in depths}
         base = work.adapter(min(depths), prefetch_programs) if ordering == "step-program" else adapters[min(depths)]
         gather_ms = {}
@@ -457,7 +489,8 @@ def run(histories, chunk, layers, depths, compute_ms, kinds, streams, trials, pr
                         by_depth[depth] = statistics.median(steps[depth])
                         rows.append(dict(
                             compute_kind=kind, torch_stream=stream_kind, depth=depth, history=history,
-                            chunk=chunk, layers=layers, ordering=adapters[depth].ordering,
+                            chunk=chunk, layers=layers, world_size=world_size, rank=rank,
+                            ordering=adapters[depth].ordering,
                             cache_write=cache_write, engine_write=engine_write,
                             chunk_latents="in-place" if chunk_in_place else "copied",
                             latents_marked="before-write" if mark_before_write else "after-write",
@@ -492,11 +525,14 @@ HEADER = (f"{'kind':>6} {'stream':>7} {'writer':>7} {'history':>8} {'X ms':>6} {
 
 
 def _line(rows) -> str:
+    """One printed row of a history, kind, stream, writer and X: every depth's cells; a rank of
+    several processes prefixes it with its rank."""
     r0 = rows[0]
+    rank = f"rank {r0['rank']}: " if r0.get("world_size", 1) > 1 else ""
     cells = "  ".join(f"d{r['depth']} {r['step_ms']:7.2f} ({r['hidden_pct']:5.1f}%{'*' * (r['hidden_pct'] > 100)}, "
                       f"{r['exposed_us_per_layer']:5.1f}, {r['host_us_per_layer']:4.0f}, {r['spread_pct']:.1f}"
                       f"{'' if r['replayed_steps'] is None else ', replayed ' + r['replayed_steps']})" for r in rows)
-    return (f"{r0['compute_kind']:>6} {r0['torch_stream']:>7} {r0['cache_write']:>7} {r0['history']:>8} "
+    return (f"{rank}{r0['compute_kind']:>6} {r0['torch_stream']:>7} {r0['cache_write']:>7} {r0['history']:>8} "
             f"{r0['compute_ms_per_layer']:6.2f} "
             f"{r0['gather_ms_per_layer']:9.3f} {r0['compute_only_ms']:13.2f} ({r0['compute_only_spread_pct']:4.1f}) "
             f"{cells}  "
@@ -564,8 +600,22 @@ def main(argv=None) -> int:
                     help="the adapters' ordering: a program per layer, or the whole step's as one program behind "
                          "flags (with one --cache-writes: adapter, the program writes the caches; engine, the "
                          "engine does and torch patches the workspace) (default %(default)s)")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="run as this many processes on this machine's first GPUs, one GPU and one DCP rank each, "
+                         "joined by jax.distributed on 127.0.0.1; the JSON holds every rank's rows (default "
+                         "%(default)s)")
+    ap.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)     # set by the launcher
+    ap.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default="interop.json", help="JSON results (default %(default)s)")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    if args.processes < 1:
+        print(f"--processes: expected a positive number of processes, got {args.processes}", file=sys.stderr)
+        return 2
+    if args.process_id is not None and not (0 <= args.process_id < args.processes and args.coordinator):
+        print(f"--process-id: expected 0 <= id < --processes = {args.processes} and a --coordinator (the "
+              f"launcher's), got {args.process_id} and {args.coordinator!r}", file=sys.stderr)
+        return 2
     if args.ordering == "step-program":
         try:
             _check_step_program_writes(args.ordering, args.cache_writes)
@@ -574,8 +624,19 @@ def main(argv=None) -> int:
             return 2
         # read when CUDA initializes, which nothing in this process did yet (the adapter checks)
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-    if not (torch.cuda.is_available() and jax.default_backend() == "gpu"):
-        print("interop.bench needs torch and JAX on a CUDA GPU", file=sys.stderr)
+    if args.processes > 1 and args.process_id is None:
+        return _launch(args.processes, argv, args.out)
+    needs_gpu = "interop.bench needs torch and JAX on a CUDA GPU"
+    if not torch.cuda.is_available():
+        print(needs_gpu, file=sys.stderr)
+        return 2
+    rank = args.process_id or 0
+    if args.process_id is not None:
+        jax.distributed.initialize(args.coordinator, num_processes=args.processes, process_id=rank,
+                                   local_device_ids=[rank], initialization_timeout=120)
+        torch.cuda.set_device(rank)
+    if jax.default_backend() != "gpu":
+        print(needs_gpu, file=sys.stderr)
         return 2
     if not 0 <= args.indexer_pct < 100:
         print(f"--indexer-pct: expected a percentage in [0, 100), got {args.indexer_pct}", file=sys.stderr)
@@ -592,23 +653,85 @@ def main(argv=None) -> int:
     if unknown:
         print(f"--streams: expected names of {', '.join(STREAMS)}, got {unknown}", file=sys.stderr)
         return 2
-    work = Workload(max(args.histories), args.chunk, 1)
+    work = Workload(max(args.histories), args.chunk, 1, world_size=args.processes, rank=rank)
     pack = pack_bandwidth(work, args.pack_programs)
-    del work
-    print(f"pack of {max(args.histories) + args.chunk} records alone: " + ", ".join(
+    print(f"{f'rank {rank}: ' if args.processes > 1 else ''}pack of {work.local_len} records alone: " + ", ".join(
         f"{p['tiles']}: {p['us']:.1f} us ({p['gbps']:.0f} GB/s)" for p in pack), flush=True)
-    print(HEADER, flush=True)
+    del work
+    if rank == 0:
+        print(HEADER, flush=True)
     rows = run(args.histories, args.chunk, args.layers, args.depths, args.compute_ms, args.kinds, args.streams,
                args.trials, args.prefetch_programs, args.latents == "in-place", args.mark == "before-write",
                args.signal == "native", args.indexer_pct, args.cache_writes, args.engine_write, args.torch_marks,
-               args.ordering)
+               args.ordering, world_size=args.processes, rank=rank)
     if any(r["hidden_pct"] > 100 for r in rows):
         print("* hidden above 100%: the step with the adapter ran faster than the compute alone; the baseline "
               "moved by more than what stays exposed (compare its spread)", flush=True)
-    with open(args.out, "w") as f:
+    out = args.out if args.process_id is None else rank_out(args.out, rank)
+    with open(out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), jax=jax.__version__, torch=torch.__version__,
-                       command="python -m interop.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-                       pack=pack, rows=rows), f, indent=1)
+                       command="python -m interop.bench " + " ".join(argv), pack=pack, rows=rows), f, indent=1)
+    if args.process_id is not None:
+        jax.distributed.shutdown()
+    return 0
+
+
+def rank_out(out: str, rank: int) -> str:
+    """Where process `rank` of a `--processes` run writes its JSON: `out` with `.rank<N>` before
+    its extension."""
+    root, ext = os.path.splitext(out)
+    return f"{root}.rank{rank}{ext}"
+
+
+def merge_ranks(parts: list[dict], command: str) -> dict:
+    """One JSON of a `--processes` run from each rank's (in rank order): every rank's rows (each
+    names its rank), each rank's standalone pack by rank, and the launcher's command."""
+    ranks = [part["rows"][0]["rank"] if part["rows"] else None for part in parts]
+    if ranks != list(range(len(parts))):
+        raise ValueError(f"parts: expected the ranks 0..{len(parts) - 1} in order, got rows of ranks {ranks}")
+    packs = {str(rank): part["pack"] for rank, part in enumerate(parts)}
+    return dict({k: v for k, v in parts[0].items() if k not in ("rows", "pack", "command")},
+                processes=len(parts), command=command, pack=packs, rows=[row for part in parts for row in part["rows"]])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(processes: int, argv: list[str], out: str) -> int:
+    """`--processes`: this bench as `processes` processes of rank 0.. on GPUs 0.., then their JSON
+    merged into `out` (`merge_ranks`).  A process that fails stops the others, whose
+    collectives would otherwise wait for it."""
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < processes:
+        print(f"--processes: expected at most the {found} CUDA GPUs this machine has, got {processes}", file=sys.stderr)
+        return 2
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-m", "interop.bench", *argv, "--process-id", str(rank),
+                               "--coordinator", coordinator]) for rank in range(processes)]
+    failed = None
+    while failed is None and any(p.poll() is None for p in procs):
+        failed = next((rank for rank, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+        time.sleep(0.5)
+    failed = next((rank for rank, p in enumerate(procs) if p.poll() not in (None, 0)), failed)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    if failed is not None:
+        print(f"interop.bench: process {failed} exited with {procs[failed].returncode}; the others were stopped",
+              file=sys.stderr)
+        return 1
+    parts = []
+    for rank in range(processes):
+        with open(rank_out(out, rank)) as f:
+            parts.append(json.load(f))
+    with open(out, "w") as f:
+        json.dump(merge_ranks(parts, "python -m interop.bench " + " ".join(argv)), f, indent=1)
+    for rank in range(processes):
+        os.remove(rank_out(out, rank))
     return 0
 
 
