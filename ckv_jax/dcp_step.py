@@ -539,10 +539,10 @@ def _through_hook(hook, layer: int, ring: list, cache=None, small=(), *, mesh, a
 # The most gathers queued ahead at one point of a step, before a layer's write or patch.  JAX
 # runs a device's work on one stream in order, so every gather queued ahead of a layer's write
 # delays that layer: queueing the whole lookahead at once (depth gathers before layer 0) puts
-# depth - 1 unneeded gathers in front of layer 0's write (1M history, 1 ms a layer: three at once
-# hid 86% at depth 3 where two hide 95%; BENCHMARKS.md, thirtieth and forty-ninth sections).  Two
-# at a point fill the lookahead one layer a point (one to keep pace, one to gain), so a write
-# waits for at most two gathers.
+# depth - 1 unneeded gathers in front of layer 0's write (1M history, 1 ms a layer, depth 3:
+# three at once hid 86-88%, two hide 93-95%; BENCHMARKS.md, forty-ninth and fiftieth
+# sections).  Two at a point fill the lookahead one layer a point (one to keep pace, one to
+# gain), so a write waits for at most two gathers.
 PREFETCHES_AT_ONCE = 2
 
 
