@@ -1,6 +1,6 @@
 """One rank of the 2-process step-program test (run by test_step_program.py): `step_case`'s step
-on a mesh of one CPU device a process, every case of CASES; each process saves what its own
-device holds.
+on a mesh of one CPU device a process, every case of `step_case.PROCESS_CASES`; each process
+saves what its own device holds.
 
 usage: python mp_step_worker.py PROCESS_ID NUM_PROCESSES PORT OUT.npz
 """
@@ -13,10 +13,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-# (writer, depth): "adapter", the program writes each layer's chunk from its latents; "engine",
-# the caches hold the written chunk and the program only gathers
-CASES = [("adapter", 0), ("adapter", 2), ("adapter", 3), ("engine", 0), ("engine", 2)]
-
 
 def main():
     pid, nproc, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -28,7 +24,7 @@ def main():
     mesh = mesh_of(nproc)
     fmt = formats.get("fp8_ds_mla")
     saved = {}
-    for writer, depth in CASES:
+    for writer, depth in step_case.PROCESS_CASES:
         layers, plan, arrays, chunks, caches = step_case.step(mesh)
         hooks = step_case.CapturingHooks(depth)
         if writer == "adapter":

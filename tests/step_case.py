@@ -15,6 +15,9 @@ from ckv_jax.step_plan import build_step_plan
 LAYERS = 4
 FINAL_LENS = np.array([45, 40, 70])
 HIST, QUERY = np.array([20, 0, 40]), np.array([17, 23, 18])
+# the 2-process run's (writer, depth): "adapter", the program writes each layer's chunk from its
+# latents; "engine", the caches hold the written chunk and the program only gathers
+PROCESS_CASES = [("adapter", 0), ("adapter", 2), ("adapter", 3), ("engine", 0), ("engine", 2)]
 
 
 class CapturingHooks:

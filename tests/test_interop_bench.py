@@ -1,7 +1,9 @@
 """`python -m interop.bench`'s host-side pieces that run without a GPU: the printed row, the
 compute's marks option, a rank's workload and the merge of a run of several processes (the
 matrix itself runs on GPUs)."""
+import numpy as np
 import pytest
+import torch
 
 from interop import bench
 
@@ -52,8 +54,6 @@ def test_a_ranks_workload_writes_the_chunk_tokens_it_owns_into_its_own_slots(ran
     """`--processes 2`: each rank's engine write stores the records of the chunk tokens whose
     global position p it owns (p % 2 == rank) at block table[p // 2 // 16], row p // 2 % 16 of
     its cache, the same table on both ranks, and leaves every other row as it was."""
-    import numpy as np
-    import torch
     history, chunk, block = 200, 37, 16
     work = bench.Workload(history, chunk, 1, block_size=block, world_size=2, rank=rank, device="cpu")
     other = bench.Workload(history, chunk, 1, block_size=block, world_size=2, rank=1 - rank, device="cpu")
@@ -110,7 +110,6 @@ def test_the_launcher_stops_every_process_once_one_fails(monkeypatch, tmp_path, 
     """`--processes 2` where the processes cannot run the bench (they find no GPU): the launcher
     starts both as real processes, sees one exit with an error, stops any still running (it
     would wait for its peer) and fails, writing no JSON."""
-    import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     out = tmp_path / "interop.json"

@@ -267,7 +267,6 @@ def test_two_processes_run_the_step_program_as_one_process_of_two_devices(tmp_pa
     shard of every cache is the per-layer writer's, its ring ends with the last layers'
     workspaces and no flag word was set."""
     from helpers import run_workers
-    from mp_step_worker import CASES
     outs = [tmp_path / f"rank{pid}.npz" for pid in range(2)]
     procs, logs = run_workers("mp_step_worker.py", lambda pid: [str(outs[pid])])
     for pid, p in enumerate(procs):
@@ -278,7 +277,7 @@ def test_two_processes_run_the_step_program_as_one_process_of_two_devices(tmp_pa
     written = step_case.written_caches(mesh, layers, plan, chunks, [sc.caches for sc in layers],
                                        formats.get("fp8_ds_mla"))
     rows = d * plan.padded_tokens
-    for writer, depth in CASES:
+    for writer, depth in step_case.PROCESS_CASES:
         key = f"{writer}_{depth}"
         for rank, saved in enumerate(ranks):
             signalled = CapturingHooks(depth)
