@@ -64,11 +64,11 @@ while torch computes layer L.  Three ordering protocols, chosen once (`ordering`
   patches the records into the slot on its own stream (one device copy a run of consecutive
   rows, `contiguous_runs`, queued through the driver: one with D = 1; one indexed copy of
   8-byte words where they are more than `MAX_PATCH_RUNS`), and only then releases the layer, on
-  the flags' own stream (`StepFlags` release_aside): the next gather does not compete with the patch, and the flag's
-  write does not hold torch's stream.  At depth 0 the release comes first (the layer's gather
-  waits for it).  No JAX work lies between a layer's cache write and its attention; the
-  engine's writer produces the records once (e.g. into a [T, 1, R] buffer through slots
-  0..T-1).  Measured at 262K on an H100 it hides 87.3-88.8% at depths 1-2 on both streams,
+  the flags' own stream (`StepFlags` release_aside): the next gather does not compete with the
+  patch, and the flag's write does not hold torch's stream.  At depth 0 the release comes
+  first (the layer's gather waits for it).  No JAX work lies between a layer's cache write and
+  its attention; the engine's writer produces the records once (e.g. into a [T, 1, R] buffer
+  through slots 0..T-1).  Measured at 262K on an H100 it hides 87.3-88.8% at depths 1-2 on both streams,
   where the adapter's writer hides 84.9-85.1% on a side stream and 91.1-91.6% on the default
   one (BENCHMARKS.md, forty-third section).
 

@@ -711,11 +711,12 @@ def _launch(processes: int, argv: list[str], out: str) -> int:
     coordinator = f"127.0.0.1:{_free_port()}"
     procs = [subprocess.Popen([sys.executable, "-m", "interop.bench", *argv, "--process-id", str(rank),
                                "--coordinator", coordinator]) for rank in range(processes)]
-    failed = None
-    while failed is None and any(p.poll() is None for p in procs):
-        failed = next((rank for rank, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+    def first_failed():
+        return next((rank for rank, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+
+    while first_failed() is None and any(p.poll() is None for p in procs):
         time.sleep(0.5)
-    failed = next((rank for rank, p in enumerate(procs) if p.poll() not in (None, 0)), failed)
+    failed = first_failed()
     for p in procs:
         if p.poll() is None:
             p.kill()

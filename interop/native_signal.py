@@ -173,9 +173,10 @@ def driver() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")
 
 
-def _driver_function(name: str, argtypes: tuple):
-    """The driver's function `name` as a ctypes function of `argtypes` returning its CUresult."""
-    return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(_driver_addresses((name,))[0])
+def _driver_function(name: str, argtypes: tuple, *, v2: bool = False):
+    """The driver's function `name` (with `v2`, its _v2 form where the driver exports one) as a
+    ctypes function of `argtypes` returning its CUresult."""
+    return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(_driver_addresses((name,), v2=v2)[0])
 
 
 def _driver_addresses(names: tuple, *, v2: bool = False) -> tuple:
@@ -212,8 +213,8 @@ def check_result(rc: int, what: str):
 def memcpy_dtod():
     """The CUDA driver's cuMemcpyDtoDAsync(destination, source, bytes, stream) (its _v2 form, of
     64-bit device addresses) as a ctypes function."""
-    address, = _driver_addresses(("cuMemcpyDtoDAsync",), v2=True)
-    return ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)(address)
+    return _driver_function("cuMemcpyDtoDAsync", (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p),
+                            v2=True)
 
 
 def event_functions():
