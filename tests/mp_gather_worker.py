@@ -12,12 +12,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import mp_worker  # noqa: E402
+
 
 def main():
-    pid, nproc, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    # short heartbeats: when a peer dies, the survivor's collective fails within seconds
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
-                               initialization_timeout=60, heartbeat_timeout_seconds=10)
+    _, _, out = mp_worker.join(sys.argv)
     if "--die" in sys.argv:                                   # the fault test: vanish mid-run
         os._exit(3)
     import dcp_scenario

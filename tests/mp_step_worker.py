@@ -13,11 +13,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+import mp_worker  # noqa: E402
+
 
 def main():
-    pid, nproc, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
-                               initialization_timeout=60, heartbeat_timeout_seconds=10)
+    _, nproc, out = mp_worker.join(sys.argv)
     import step_case
     from ckv_jax import dcp_step, formats, placement
     from helpers import mesh_of
