@@ -765,7 +765,7 @@ def _flags_race_and_abandon(depth, release_aside):
 
 # -- the step-program ordering ---------------------------------------------------------------------
 @pytest.mark.parametrize("depth", range(4))
-@pytest.mark.parametrize("stream", ["default", "side"])
+@pytest.mark.parametrize("stream", ["default", "side", "priority"])
 def test_the_step_program_ordering_is_exact_in_every_order_and_replays(depth, stream):
     """ordering="step-program": the engine writes each layer's latents into `chunk_buffers()`
     behind long matmuls (the first layer's as its own tensors, which the call copies), reads the
@@ -800,7 +800,7 @@ def test_the_step_program_ordering_is_exact_in_every_order_and_replays(depth, st
 
 
 @pytest.mark.parametrize("depth, patch", [(d, "runs") for d in range(4)] + [(2, "indexed"), (2, "torch runs")])
-@pytest.mark.parametrize("stream", ["default", "side"])
+@pytest.mark.parametrize("stream", ["default", "side", "priority"])
 def test_a_step_program_whose_engine_writes_the_caches_is_exact_in_every_order_and_replays(depth, patch, stream,
                                                                                            monkeypatch):
     """cache_writes="engine": per layer the engine's latents come behind long matmuls, it encodes
