@@ -68,9 +68,10 @@ while torch computes layer L.  Three ordering protocols, chosen once (`ordering`
   patch, and the flag's write does not hold torch's stream.  At depth 0 the release comes
   first (the layer's gather waits for it).  No JAX work lies between a layer's cache write and
   its attention; the engine's writer produces the records once (e.g. into a [T, 1, R] buffer
-  through slots 0..T-1).  Measured at 262K on an H100 it hides 87.3-88.8% at depths 1-2 on both streams,
-  where the adapter's writer hides 84.9-85.1% on a side stream and 91.1-91.6% on the default
-  one (BENCHMARKS.md, forty-third section).
+  through slots 0..T-1).  Measured at 262K on an H100 it hides 87.3-88.8% at depths 1-2 on
+  both streams, where the adapter's writer hides 84.9-85.1% on a side stream and 91.1-91.6% on
+  the default one (BENCHMARKS.md, forty-third section; the side stream's figure is that of the
+  first side stream its process used, fifty-second section).
 
 The returned view is valid until its ring slot is reused (depth + 1 layers later, or the next
 step); drop it (and every view of it) before that, or the reuse raises (the pool never grows).

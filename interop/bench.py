@@ -371,10 +371,11 @@ def torch_stream(kind: str) -> torch.cuda.Stream:
     """The torch stream an engine computes on: its default stream, a side stream, or a side
     stream of the greatest priority torch offers (`priority`), whose kernels the GPU's block
     scheduler starts ahead of pending programs of lower-priority streams, JAX's included.
-    A new side stream for each call: the step program's layer boundary has cost the first side
-    stream of a process about 10 us more than the default stream, and a second one often no
-    more than the default stream, of either priority (BENCHMARKS.md, fifty-second section): read
-    a side stream's rows with the order in which `--streams` used it."""
+    Each call takes the next side stream of torch's pool (round robin over 32 a priority): the
+    step program's layer boundary has cost the first side stream of a process about 10 us more
+    than the default stream, and a second one often no more than the default stream, of either
+    priority (BENCHMARKS.md, fifty-second section): read a side stream's rows with the order in
+    which `--streams` used it."""
     if kind == "default":
         return torch.cuda.default_stream()
     if kind == "side":
