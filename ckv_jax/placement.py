@@ -35,11 +35,19 @@ def replicated(mesh: jax.sharding.Mesh, *arrays):
         a = jnp.asarray(a)
         sharding = replicated_sharding(mesh, a.ndim)
         if a.is_fully_addressable and not sharding.is_fully_addressable:
-            local = [jax.device_put(a, device) for device in sharding.addressable_devices]
-            out.append(jax.make_array_from_single_device_arrays(a.shape, sharding, local))
+            copies = [jax.device_put(a, device) for device in sharding.addressable_devices]
+            out.append(assemble_replicated(mesh, copies))
         else:
             out.append(jax.device_put(a, sharding))
     return out
+
+
+def assemble_replicated(mesh: jax.sharding.Mesh, copies: list) -> jax.Array:
+    """This process's copies of one array, one on each of its devices of `mesh` (e.g. memory a
+    torch engine handed over), as the array replicated on the whole mesh, without a copy: every
+    process holds the same values in memory of its own."""
+    return jax.make_array_from_single_device_arrays(copies[0].shape, replicated_sharding(mesh, copies[0].ndim),
+                                                    copies)
 
 
 def mesh_axis_size(mesh, axis_name: str = DCP_AXIS, world_size: int | None = None) -> int:

@@ -107,7 +107,7 @@ class TorchWorkspacePool(WorkspacePool):
         def allocate(rows, record_bytes):
             t = torch.zeros((rows, record_bytes), dtype=torch.uint8, device=device)
             tensors.append(t)
-            return bridge.replicated_on(mesh, bridge.to_jax(t, name="workspace slot", device=jax_device))
+            return placement.assemble_replicated(mesh, [bridge.to_jax(t, name="workspace slot", device=jax_device)])
 
         super().__init__(mesh, plan, world_size, record_bytes, allocate=allocate)
         self._tensors = [tensors[lane * plan.slots:(lane + 1) * plan.slots] for lane in range(plan.lanes)]
@@ -597,8 +597,8 @@ class TorchCkvAdapter:
         held = self._chunk_buffers.get(key)
         if held is None or held[0].shape[0] != self._chunk_rows:
             buf = torch.empty((self._chunk_rows, width), dtype=dtype, device=self.torch_device)
-            held = self._chunk_buffers[key] = (buf, bridge.replicated_on(
-                self.mesh, bridge.to_jax(buf, name="chunk buffer", device=self.device)))
+            held = self._chunk_buffers[key] = (buf, placement.assemble_replicated(
+                self.mesh, [bridge.to_jax(buf, name="chunk buffer", device=self.device)]))
         view = self._chunk_views[key] = held[0][:self.plan.num_tokens]     # sliced once per step
         return view
 
@@ -626,7 +626,7 @@ class TorchCkvAdapter:
 
     def _replicated(self, local: jax.Array, tensor: torch.Tensor) -> jax.Array:
         self._keepalive.append(tensor)
-        return bridge.replicated_on(self.mesh, local)
+        return placement.assemble_replicated(self.mesh, [local])
 
     def _cache(self, lane, layer_idx, kv_cache: torch.Tensor) -> jax.Array:
         """The global sharded cache u8[D * num_blocks, block_size, R], imported once per tensor."""

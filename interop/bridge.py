@@ -24,7 +24,6 @@ import functools
 import jax
 import torch
 
-from ckv_jax import placement
 
 # dtypes that cross as themselves; fp4 never crosses (torch packs two per byte): move records as uint8
 ALLOWED_DTYPES = (torch.uint8, torch.int8, torch.int32, torch.bfloat16, torch.float16, torch.float32,
@@ -108,13 +107,6 @@ def to_jax(tensor: torch.Tensor, *, name: str = "tensor", device=None) -> jax.Ar
         raise RuntimeError(f"{name}: JAX imported a copy of the tensor instead of its memory; this torch/jax "
                            "pair does not share it zero-copy")
     return array
-
-
-def replicated_on(mesh: jax.sharding.Mesh, local: jax.Array) -> jax.Array:
-    """This process's single-device array (e.g. `to_jax`'s) as the replicated global array of
-    `mesh`: every process holds the same values in memory of its own."""
-    return jax.make_array_from_single_device_arrays(local.shape, placement.replicated_sharding(mesh, local.ndim),
-                                                    [local])
 
 
 def to_torch(array: jax.Array, *, name: str = "array") -> torch.Tensor:

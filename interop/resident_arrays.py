@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import torch
 
-from ckv_jax import dcp_step
+from ckv_jax import dcp_step, placement
 from interop import bridge
 
 # each array starts on a 256-byte boundary of the buffer (bridge.to_jax asks for 32; CUDA
@@ -67,7 +67,7 @@ class ResidentStepArrays:
             offsets.append(words)
             words += -(-max(int(np.prod(shape)), 1) // _ALIGN_WORDS) * _ALIGN_WORDS
         buffer = torch.zeros(words, dtype=torch.int32, device=self._torch_device)
-        views = [bridge.replicated_on(self.mesh, bridge.to_jax(
-            buffer[offset:offset + int(np.prod(shape))].view(shape), name="step arrays", device=self._jax_device))
+        views = [placement.assemble_replicated(self.mesh, [bridge.to_jax(
+            buffer[offset:offset + int(np.prod(shape))].view(shape), name="step arrays", device=self._jax_device)])
             for offset, shape in zip(offsets, shapes)]
         return buffer, offsets, views

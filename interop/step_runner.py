@@ -27,7 +27,7 @@ import time
 
 import jax
 
-from ckv_jax import dcp_step
+from ckv_jax import dcp_step, placement
 from interop import bridge, native_signal, stream_handoff
 
 
@@ -105,7 +105,7 @@ class StepRunner:
                                                       self.events.jax_stream.cuda_stream, layers=len(caches),
                                                       release_aside=self.release_aside)
                 local = bridge.to_jax(self.flags.words, name="step flags", device=self.mesh.local_devices[0])
-                self._words = bridge.replicated_on(self.mesh, local)
+                self._words = placement.assemble_replicated(self.mesh, [local])
             self.events.torch_after_jax(stream)        # the last program is done with the flags
             self.flags.next_step(stream)
             self.events.jax_after_torch(stream)

@@ -24,18 +24,18 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import mp_worker  # noqa: E402
+
 LAYERS = 3
 
 
 def main():
-    pid, nproc, port, depth, out = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]),
-                                    sys.argv[5])
-    device = sys.argv[6] if len(sys.argv) > 6 else "cpu"
-    writer = sys.argv[7] if len(sys.argv) > 7 else "engine"
-    ordering = sys.argv[8] if len(sys.argv) > 8 else None
-    local = dict(local_device_ids=[pid]) if device == "cuda" else {}
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
-                               initialization_timeout=60, **local)
+    pid = int(sys.argv[1])
+    device = sys.argv[6] if len(sys.argv) > 6 else "cpu"      # read first: a GPU worker joins with its GPU only
+    _, nproc, (depth, out, *rest) = mp_worker.join(sys.argv, local_device_ids=[pid] if device == "cuda" else None)
+    depth = int(depth)
+    writer = rest[1] if len(rest) > 1 else "engine"
+    ordering = rest[2] if len(rest) > 2 else None
     if device == "cuda":
         torch.cuda.set_device(pid)
         device = f"cuda:{pid}"

@@ -16,7 +16,7 @@ import mp_worker  # noqa: E402
 
 
 def main():
-    _, _, out = mp_worker.join(sys.argv)
+    _, _, (out, *_) = mp_worker.join(sys.argv)
     if "--die" in sys.argv:                                   # the fault test: vanish mid-run
         os._exit(3)
     import dcp_scenario

@@ -17,7 +17,7 @@ import mp_worker  # noqa: E402
 
 
 def main():
-    _, nproc, out = mp_worker.join(sys.argv)
+    _, nproc, (out,) = mp_worker.join(sys.argv)
     import step_case
     from ckv_jax import dcp_step, formats, placement
     from helpers import mesh_of
