@@ -454,8 +454,6 @@ def test_the_mosaic_kernel_names_what_it_does_not_read():
         MosaicAttentionTiles(copy_issuers=2)
     with pytest.raises(ValueError, match="k_slots: expected 1 or 2, got 3"):
         MosaicAttentionTiles(k_slots=3)
-    q16, records16, indices16, counts16, _ = (jnp.asarray(a) if isinstance(a, np.ndarray) else a
-                                              for a in make_case("bf16", 2, 16, seed=1))
     for registers in (236, 248, 16):
         with pytest.raises(ValueError, match=rf"compute_registers: expected a multiple of 8 in \[24, 240\] "
                                              rf"\(each memory warpgroup keeps at least 24\), got {registers}"):
