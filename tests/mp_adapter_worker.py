@@ -30,12 +30,13 @@ LAYERS = 3
 
 
 def main():
-    pid = int(sys.argv[1])
-    device = sys.argv[6] if len(sys.argv) > 6 else "cpu"      # read first: a GPU worker joins with its GPU only
-    _, nproc, (depth, out, *rest) = mp_worker.join(sys.argv, local_device_ids=[pid] if device == "cuda" else None)
+    # the worker's own arguments first: a GPU worker joins the run with its GPU only
+    pid, (depth, out, *options) = int(sys.argv[1]), sys.argv[4:]
     depth = int(depth)
-    writer = rest[1] if len(rest) > 1 else "engine"
-    ordering = rest[2] if len(rest) > 2 else None
+    device = options[0] if options else "cpu"
+    writer = options[1] if len(options) > 1 else "engine"
+    ordering = options[2] if len(options) > 2 else None
+    _, nproc, _ = mp_worker.join(sys.argv, local_device_ids=[pid] if device == "cuda" else None)
     if device == "cuda":
         torch.cuda.set_device(pid)
         device = f"cuda:{pid}"
